@@ -1,0 +1,1 @@
+"""Calibration (layer-streamed activation statistics). See issue 5."""

@@ -1,0 +1,1 @@
+"""Evaluation: KL, GSM8K, passkey, KV-cache parity, the release gate."""

@@ -1,0 +1,174 @@
+"""Load the two sides of an accuracy comparison as transformers causal LMs on CPU.
+
+- :func:`load_source_model`: the *reference*, an FP8 (or dense) source folder dequantized
+  by our own reader (:func:`formats.sources.open_source`). transformers is given the config
+  without ``quantization_config``, so it never tries its FP8 GPU path.
+- :func:`load_build_model`: an NVFP4 ``nvfp4-pack-quantized`` build, decompressed by
+  transformers + compressed-tensors themselves (what a user of the build gets).
+- :func:`dequantized_reference_state`: the same build dequantized by our own kernel, to check
+  that transformers' decompression agrees with ours.
+
+Heavy imports (transformers, safetensors) happen inside the functions.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from formats.sources import open_source
+from quantize.kernels.nvfp4 import dequantize_nvfp4
+
+__all__ = ["load_source_model", "load_build_model", "dequantized_reference_state"]
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_NVFP4 = (".weight_packed", ".weight_scale", ".weight_global_scale")
+
+
+def _text_cfg(cfg: dict) -> dict:
+    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def _is_mtp(name: str, n_layers: int) -> bool:
+    """``model.layers.{n_layers + k}.*``: DeepSeek/GLM multi-token-prediction layers."""
+    m = _LAYER.match(name)
+    return bool(m) and int(m.group(1)) >= n_layers
+
+
+def load_source_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """Reference model of a source checkpoint (block FP8, compressed-tensors FP8 or dense).
+
+    The model is built with ``AutoModelForCausalLM.from_config`` from ``config.json`` minus
+    ``quantization_config`` (top level and ``text_config``), then every parameter is filled
+    from :meth:`Source.read` (FP8 weights dequantized to float32 with their scales, other
+    tensors as stored), cast to ``dtype``. Skipped on disk: MTP layers
+    ``model.layers.{num_hidden_layers + k}.*`` (transformers does not model them) and
+    ``lm_head.weight`` when ``tie_word_embeddings`` (the tied head reads embed_tokens, as
+    the converter and transformers do).
+
+    Args:
+        folder: source folder (config.json, safetensors shards, index).
+        dtype: parameter dtype of the returned model.
+
+    Returns:
+        ``PreTrainedModel`` in eval mode on CPU.
+
+    Raises:
+        SourceError: from :func:`open_source` (bad layout, unreadable tensor).
+        RuntimeError: missing parameters (none on disk), unexpected tensors (on disk, not in
+            the model) or shape mismatches, all listed together.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = open_source(folder)
+    try:
+        cfg_dict = json.loads(json.dumps(src.config))  # deep copy
+        cfg_dict.pop("quantization_config", None)
+        _text_cfg(cfg_dict).pop("quantization_config", None)
+        cfg = AutoConfig.for_model(**cfg_dict)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model.eval()
+        tied = bool(_text_cfg(cfg_dict).get("tie_word_embeddings", cfg_dict.get("tie_word_embeddings", False)))
+        n_layers = int(_text_cfg(cfg_dict)["num_hidden_layers"])
+        targets = model.state_dict(keep_vars=True)
+        filled, unexpected, bad_shape = set(), [], []
+        with torch.no_grad():
+            for name in sorted(src.tensors):
+                if _is_mtp(name, n_layers) or (tied and name == "lm_head.weight"):
+                    continue
+                if name not in targets:
+                    unexpected.append(name)
+                    continue
+                t = src.read(name)
+                if tuple(t.shape) != tuple(targets[name].shape):
+                    bad_shape.append(f"{name}: disk {list(t.shape)} vs model {list(targets[name].shape)}")
+                    continue
+                targets[name].copy_(t.to(dtype))
+                filled.add(name)
+    finally:
+        src.close()
+    if tied:
+        out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+        if out_emb is not None and out_emb.weight is not in_emb.weight:
+            model.tie_weights()
+        if out_emb is not None and out_emb.weight is in_emb.weight:
+            filled |= {k for k, v in targets.items() if v is out_emb.weight}
+    missing = sorted(set(targets) - filled)
+    if missing or unexpected or bad_shape:
+        lines = ([f"missing (in model, not on disk): {n}" for n in missing]
+                 + [f"unexpected (on disk, not in model): {n}" for n in unexpected]
+                 + [f"shape mismatch {s}" for s in bad_shape])
+        raise RuntimeError(f"{len(lines)} problem(s) loading {Path(folder).name} into "
+                           f"{type(model).__name__}:\n  " + "\n  ".join(lines))
+    return model
+
+
+def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """An NVFP4 compressed-tensors build, decompressed to ``dtype`` by transformers on CPU.
+
+    Calls ``AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+    quantization_config=CompressedTensorsConfig(dequantize=True))``: transformers merges
+    ``dequantize=True`` into the checkpoint's own quantization config and dequantizes every
+    ``weight_packed / weight_scale / weight_global_scale`` triple into a plain ``.weight``
+    while loading (compressed-tensors' ``NVFP4PackedCompressor.decompress``), so the result
+    is an ordinary dense model with ``nn.Linear`` weights. (A plain ``from_pretrained`` also
+    works on CPU in transformers 5.24 but keeps the packed tensors and decompresses on the
+    first forward pass, mutating the model.)
+
+    Args:
+        folder: build folder with a compressed-tensors ``quantization_config``.
+        dtype: parameter dtype of the returned model.
+
+    Returns:
+        ``PreTrainedModel`` in eval mode on CPU.
+    """
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+    return model.eval()
+
+
+def dequantized_reference_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """State dict of an NVFP4 build dequantized with our own kernel.
+
+    Each ``<m>.weight_packed`` (uint8 [N, K/2]), ``<m>.weight_scale`` (float8_e4m3fn
+    [N, K/16]) and ``<m>.weight_global_scale`` (float32 [1], quantize direction) becomes
+    ``<m>.weight`` float32 [N, K] via :func:`quantize.kernels.nvfp4.dequantize_nvfp4`; every
+    other tensor is returned as stored (dtype unchanged). Tied ``lm_head.weight`` is not
+    added.
+
+    Args:
+        folder: build folder with ``*.safetensors`` shards.
+
+    Returns:
+        dict name -> tensor, on CPU.
+
+    Raises:
+        RuntimeError: an NVFP4 triple is incomplete (one or two of the three tensors), or
+            the folder has no safetensors files.
+    """
+    from safetensors.torch import load_file
+
+    shards = sorted(Path(folder).glob("*.safetensors"))
+    if not shards:
+        raise RuntimeError(f"{folder} has no .safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        raw.update(load_file(str(shard)))
+    state, groups = {}, {}
+    for name, t in raw.items():
+        suffix = next((s for s in _NVFP4 if name.endswith(s)), None)
+        if suffix is None:
+            state[name] = t
+        else:
+            groups.setdefault(name[: -len(suffix)], {})[suffix] = t
+    incomplete = sorted(m for m, g in groups.items() if len(g) != 3)
+    if incomplete:
+        raise RuntimeError(f"incomplete NVFP4 tensors (need {', '.join(_NVFP4)}) for: "
+                           + ", ".join(incomplete[:10]))
+    for m, g in groups.items():
+        state[m + ".weight"] = dequantize_nvfp4(g[".weight_packed"], g[".weight_scale"],
+                                                g[".weight_global_scale"])
+    return state

@@ -1,0 +1,32 @@
+"""Bytes, tensor names, scale direction and config keys of checkpoint layouts.
+
+No scale math here beyond packing, renaming and reciprocals; the numbers come from
+``quantize.kernels``. Output writers are picked from ``WRITERS`` by their on-disk name.
+"""
+
+from enum import Enum
+from types import ModuleType
+
+__all__ = ["OutputFormat", "get_writer"]
+
+
+class OutputFormat(str, Enum):
+    """Target checkpoint layouts; values are the names users pass to ``--format``."""
+
+    COMPRESSED_TENSORS = "compressed-tensors"
+
+
+def get_writer(name: str) -> ModuleType:
+    """The writer module for ``name`` (``emit_nvfp4``, ``quantization_config``, ...).
+
+    Raises:
+        ValueError: unknown name, listing the valid ones.
+    """
+    from formats import compressed_tensors
+
+    writers = {OutputFormat.COMPRESSED_TENSORS: compressed_tensors}
+    try:
+        return writers[OutputFormat(name)]
+    except ValueError:
+        raise ValueError(f"unknown output format {name!r} (valid: "
+                         f"{', '.join(f.value for f in OutputFormat)})") from None

@@ -1,0 +1,26 @@
+"""Error types. Each names what it is about (tensor, shard, key) and subclasses a stdlib type."""
+
+
+class SparkQuantError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    def __init__(self, message: str, *, tensor: str | None = None, shard: str | None = None,
+                 key: str | None = None):
+        super().__init__(message)
+        self.tensor, self.shard, self.key = tensor, shard, key
+
+
+class SourceError(SparkQuantError, ValueError):
+    """The source checkpoint is missing, malformed or inconsistent."""
+
+
+class FormatError(SparkQuantError, ValueError):
+    """A tensor cannot be written in the requested target format."""
+
+
+class RecipeError(SparkQuantError, ValueError):
+    """A recipe is malformed or splits a fused group."""
+
+
+class OutputError(SparkQuantError, OSError):
+    """The output folder cannot be written (or resumed) safely."""

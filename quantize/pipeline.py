@@ -1,0 +1,221 @@
+"""``convert()``: stream a checkpoint shard by shard from FP8 (or dense) to NVFP4.
+
+Steps: open and validate the source -> decide every tensor -> per source shard, read lazily,
+quantize, write one output shard atomically -> index, config, carried files -> manifest.
+Peak memory is one output shard plus the tensors of one fused group, whatever the model size.
+"""
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from formats import get_writer
+from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
+from formats.shards import write_shard_atomic
+from formats.sources import Source, open_source
+from quantize import __version__
+from quantize.errors import OutputError, SourceError
+from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
+from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
+from quantize.plan import Decision, module_of, plan_tensors
+from quantize.recipe import Target, load_recipe
+
+__all__ = ["Summary", "convert"]
+
+
+@dataclass
+class Summary:
+    """What a conversion did. Bytes are tensor bytes; seconds wall time of this run."""
+
+    out: Path
+    tensors_by_target: dict[str, int]
+    bytes_in: int
+    bytes_out: int
+    elements_quantized: int
+    seconds: float
+    shards_written: int
+    shards_skipped: int
+    ignore: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gelem_per_s(self) -> float:
+        return self.elements_quantized / max(self.seconds, 1e-9) / 1e9
+
+    def render(self) -> str:
+        by = ", ".join(f"{k} {v}" for k, v in sorted(self.tensors_by_target.items()))
+        lines = [f"wrote {self.out}",
+                 f"  tensors: {by}",
+                 f"  bytes: {self.bytes_in / 2**20:.1f} MiB in -> {self.bytes_out / 2**20:.1f} MiB out",
+                 f"  shards: {self.shards_written} written, {self.shards_skipped} resumed",
+                 f"  time: {self.seconds:.1f} s, {self.gelem_per_s:.3f} G elements/s quantized",
+                 f"  ignore: {len(self.ignore)} modules left unquantized"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def _tied(config: dict) -> bool:
+    return bool(config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False)))
+
+
+def _prepare_out(out: Path, resume: bool) -> None:
+    if out.exists() and any(out.iterdir()) and not resume:
+        raise OutputError(f"output folder {out} is not empty; pass --resume to continue a build "
+                          "or choose another --out", key=str(out))
+    out.mkdir(parents=True, exist_ok=True)
+
+
+class _Quantizer:
+    """Quantizes one logical tensor, sharing the global scale across its fused group."""
+
+    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device):
+        self.source, self.decisions, self.device = source, decisions, device
+        self._amax: dict[str, torch.Tensor] = {}
+
+    def _load(self, name: str) -> torch.Tensor:
+        w = self.source.read(name).to(torch.float32)
+        if not torch.isfinite(w).all():
+            t = self.source.tensors[name]
+            bad = int((~torch.isfinite(w)).sum())
+            raise SourceError(f"tensor {name} in shard {t.shard} has {bad} NaN/Inf values "
+                              "after dequantization; refusing to write a silent NaN",
+                              tensor=name, shard=t.shard)
+        self._amax[name] = w.abs().amax()
+        return w
+
+    def amax(self, name: str) -> torch.Tensor:
+        if name not in self._amax:
+            self._load(name)
+        return self._amax[name]
+
+    def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.decisions[name]
+        w = self._load(name)
+        names = [m + ".weight" for m in d.members] or [name]
+        g = global_scale_from_amax(torch.stack([self.amax(n) for n in names]).amax())
+        packed, scale = quantize_nvfp4(w.to(self.device), g)
+        return packed.cpu(), scale.cpu(), g
+
+
+def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
+            fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
+            resume: bool = False, progress: bool = True, source_info: dict | None = None) -> Summary:
+    """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
+
+    Args:
+        src: folder with config.json and safetensors shards (block FP8, compressed-tensors
+            FP8, or dense).
+        out: output folder; must be empty unless ``resume``.
+        scheme: ``w4a16`` (weight-only NVFP4).
+        fmt: output layout, see ``formats.OutputFormat``.
+        recipe: preset name or TOML path (``quantize.recipe``).
+        device: ``cpu``, ``cuda`` or ``auto``.
+        resume: skip output shards the ledger records as finished (sha256 checked); the
+            final folder is byte-identical to an uninterrupted run.
+        source_info: extra provenance (repo id, revision) recorded in the manifest.
+
+    Returns:
+        Summary of the run.
+
+    Raises:
+        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named.
+    """
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    source = open_source(src)
+    rec = load_recipe(recipe)
+    writer = get_writer(fmt)
+    dev = _resolve_device(device)
+    decisions = plan_tensors(source, rec)
+    notes = []
+    skip = set()
+    if _tied(source.config) and "lm_head.weight" in source.tensors:
+        skip.add("lm_head.weight")
+        notes.append("lm_head.weight dropped: tie_word_embeddings is true, the loader uses "
+                     "embed_tokens (FC-23)")
+    if source.dropped:
+        notes.append(f"dropped {len(source.dropped)} FP8 activation/KV sidecars "
+                     f"(e.g. {source.dropped[0]})")
+    for d in decisions.values():
+        if d.reason.startswith(("K=", "fused group")):
+            notes.append(f"{d.name} kept as {d.target.value}: {d.reason}")
+    headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
+    options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256}
+    job = fingerprint({"tool": __version__, "options": options, "headers": headers,
+                       "decisions": {n: d.target.value for n, d in decisions.items()}})
+    _prepare_out(out, resume)
+    ledger = Ledger(out, job, resume)
+    quant = _Quantizer(source, decisions, dev)
+    written, skipped, out_shards = 0, 0, []
+    bytes_in = sum(i.nbytes for i in source.infos.values())
+    counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
+    elements = 0
+    bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    for shard in source.shards:
+        members = [t for t in source.tensors_in(shard) if t.name not in skip]
+        shard_bytes = sum(i.nbytes for i in source.infos.values() if i.shard == shard)
+        if not members:
+            bar.update(shard_bytes)
+            continue
+        out_shards.append(shard)
+        if ledger.is_done(shard):
+            skipped += 1
+            bar.update(shard_bytes)
+            continue
+        bar.set_postfix_str(shard)
+        tensors: dict[str, torch.Tensor] = {}
+        for t in members:
+            d = decisions[t.name]
+            if d.target is Target.NVFP4:
+                packed, scale, g = quant(t.name)
+                tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g))
+                elements += t.numel
+            elif d.target is Target.BF16:
+                tensors[t.name] = source.read(t.name).to(torch.bfloat16)
+            else:
+                tensors[t.name] = source.read(t.name)
+        write_shard_atomic(tensors, out / shard)
+        ledger.mark(shard)
+        written += 1
+        bar.update(shard_bytes)
+    bar.close()
+    source.close()
+
+    index = write_index(out, out_shards)
+    ignore = sorted({module_of(n) for n, d in decisions.items()
+                     if n not in skip and d.target is not Target.NVFP4 and module_of(n)})
+    if _tied(source.config) and "lm_head" not in ignore:
+        ignore.append("lm_head")  # the tied head is the unquantized embedding
+    config = json.loads(json.dumps(source.config))
+    (config.get("text_config") or {}).pop("quantization_config", None)
+    config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
+    write_json_atomic(config, out / "config.json")
+    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME})
+    summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], elements,
+                      time.perf_counter() - t0, written, skipped, sorted(ignore), notes)
+    write_manifest(out, {
+        "tool": "spark-quant", "version": __version__,
+        "source": {"path": str(src.resolve()), "layout": source.kind.value,
+                   "shards": {s: fingerprint({n: h for n, h in headers.items() if h[0] == s})
+                              for s in source.shards}, **(source_info or {})},
+        "options": options,
+        "targets": {n: d.target.value for n, d in sorted(decisions.items()) if n not in skip},
+        "summary": {"tensors_by_target": dict(sorted(counts.items())), "bytes_in": bytes_in,
+                    "bytes_out": summary.bytes_out, "ignore": sorted(ignore), "notes": notes,
+                    "carried_files": carried},
+    })
+    ledger.finish()
+    return summary

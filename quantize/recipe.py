@@ -1,0 +1,102 @@
+"""Recipes: ordered first-match rules, module name -> target. Data, not code.
+
+A rule's ``match`` is an exact module name or a regex prefixed ``re:`` matched with
+``re.match`` (anchored at the start), the convention of compressed-tensors ``targets`` /
+``ignore`` (compressed_tensors/utils/match.py). Presets ship as TOML in ``quantize/recipes``.
+"""
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass
+from enum import Enum
+from importlib import resources
+from pathlib import Path
+
+from quantize.errors import RecipeError
+
+__all__ = ["Target", "Rule", "Recipe", "load_recipe", "preset_names"]
+
+
+class Target(str, Enum):
+    """What a tensor becomes. Values are the names used in recipe files."""
+
+    NVFP4 = "nvfp4"  # packed e2m1 + e4m3 block scales + fp32 global scale
+    BF16 = "bf16"  # dequantized / cast to bfloat16, listed as ignored
+    KEEP = "keep"  # bytes exactly as in the source (FP8 sources: dequantized to bf16)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``match`` (exact module name or ``re:`` regex) -> ``target``."""
+
+    match: str
+    target: Target
+
+    def __post_init__(self):
+        if self.match.startswith("re:"):
+            try:
+                re.compile(self.match[3:])
+            except re.error as e:
+                raise RecipeError(f"rule {self.match!r}: bad regex ({e})", key=self.match) from None
+
+    def matches(self, module: str) -> bool:
+        if self.match.startswith("re:"):
+            return re.match(self.match[3:], module) is not None
+        return module == self.match
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An ordered list of rules; the first rule that matches a module decides its target.
+    A module no rule matches is kept."""
+
+    name: str
+    rules: tuple[Rule, ...]
+    description: str = ""
+    sha256: str = ""
+
+    def resolve(self, module: str) -> Target:
+        for rule in self.rules:
+            if rule.matches(module):
+                return rule.target
+        return Target.KEEP
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped in the package."""
+    return sorted(p.name[:-5] for p in resources.files("quantize.recipes").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """Load a preset by name (``weight-only``) or a TOML file by path.
+
+    Raises:
+        RecipeError: unknown preset (listing the valid names), unreadable TOML, or a rule
+            with a missing key, unknown target or bad regex.
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".toml" and p.is_file():
+        text = p.read_text()
+    elif str(name_or_path) in preset_names():
+        text = resources.files("quantize.recipes").joinpath(f"{name_or_path}.toml").read_text()
+    else:
+        raise RecipeError(f"unknown recipe {str(name_or_path)!r}: give a .toml file or one of "
+                          f"{', '.join(preset_names())}", key=str(name_or_path))
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"recipe {name_or_path}: {e}", key=str(name_or_path)) from None
+    rules = []
+    for i, r in enumerate(data.get("rule", [])):
+        try:
+            rules.append(Rule(str(r["match"]), Target(r["target"])))
+        except KeyError as e:
+            raise RecipeError(f"recipe {name_or_path}: rule {i} lacks {e}", key=f"rule[{i}]") from None
+        except ValueError:
+            raise RecipeError(f"recipe {name_or_path}: rule {i} has unknown target "
+                              f"{r.get('target')!r} (valid: {', '.join(t.value for t in Target)})",
+                              key=f"rule[{i}].target") from None
+    return Recipe(str(data.get("name", p.stem)), tuple(rules), str(data.get("description", "")),
+                  hashlib.sha256(text.encode()).hexdigest())

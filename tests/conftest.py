@@ -1,0 +1,74 @@
+"""Shared fixtures: small checkpoints written in the exact on-disk layout of FP8 releases."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quantize.kernels.fp8 import quantize_fp8_block
+
+BLOCK_FP8_QC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128]}
+
+
+def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], config: dict,
+                     shard_of: dict[str, int] | None = None, n_shards: int = 1) -> Path:
+    """Write ``tensors`` as safetensors shards + index + config.json.
+
+    ``shard_of`` maps a tensor name to a shard number (default: round robin by sorted name).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    shard_of = shard_of or {}
+    buckets: dict[int, dict] = {i: {} for i in range(n_shards)}
+    for i, n in enumerate(names):
+        buckets[shard_of.get(n, i % n_shards)][n] = tensors[n]
+    weight_map, total = {}, 0
+    for i, b in buckets.items():
+        fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in b.items()}, str(folder / fname))
+        for k, v in b.items():
+            weight_map[k] = fname
+            total += v.numel() * v.element_size()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def fp8_pair(name: str, w: torch.Tensor, block=(128, 128)) -> dict[str, torch.Tensor]:
+    """``{name.weight: fp8, name.weight_scale_inv: f32}`` for a float weight."""
+    q, s = quantize_fp8_block(w, block)
+    return {f"{name}.weight": q, f"{name}.weight_scale_inv": s}
+
+
+@pytest.fixture
+def tiny_fp8_llama(tmp_path) -> Path:
+    """A 2-layer llama-shaped block-FP8 checkpoint in 3 shards (random weights)."""
+    g = torch.Generator().manual_seed(0)
+    h, inter, vocab = 64, 128, 256
+    t = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g).bfloat16(),
+         "model.norm.weight": torch.ones(h).bfloat16()}
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        for m, shape in [("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (32, h)),
+                         ("self_attn.v_proj", (32, h)), ("self_attn.o_proj", (h, h)),
+                         ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)),
+                         ("mlp.down_proj", (h, inter))]:
+            t.update(fp8_pair(f"{p}.{m}", torch.randn(*shape, generator=g) * 0.05))
+        t[f"{p}.input_layernorm.weight"] = torch.ones(h).bfloat16()
+        t[f"{p}.post_attention_layernorm.weight"] = torch.ones(h).bfloat16()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": vocab, "tie_word_embeddings": True,
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+              "quantization_config": BLOCK_FP8_QC}
+    # one weight and its scale in different shards
+    shard_of = {"model.layers.0.mlp.down_proj.weight": 0,
+                "model.layers.0.mlp.down_proj.weight_scale_inv": 2}
+    folder = write_checkpoint(tmp_path / "src", t, config, shard_of, n_shards=3)
+    (folder / "tokenizer_config.json").write_text("{}")
+    return folder
