@@ -13,6 +13,7 @@ Heavy imports (transformers, safetensors) happen inside the functions.
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -109,12 +110,19 @@ def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32):
 
     Calls ``AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
     quantization_config=CompressedTensorsConfig(dequantize=True))``: transformers merges
-    ``dequantize=True`` into the checkpoint's own quantization config and dequantizes every
-    ``weight_packed / weight_scale / weight_global_scale`` triple into a plain ``.weight``
-    while loading (compressed-tensors' ``NVFP4PackedCompressor.decompress``), so the result
-    is an ordinary dense model with ``nn.Linear`` weights. (A plain ``from_pretrained`` also
-    works on CPU in transformers 5.24 but keeps the packed tensors and decompresses on the
-    first forward pass, mutating the model.)
+    ``dequantize=True`` into the checkpoint's own quantization config (its "loading
+    attributes" warning is silenced) and dequantizes every ``weight_packed / weight_scale /
+    weight_global_scale`` triple into a plain ``.weight`` while loading, so the result is an
+    ordinary dense model with ``nn.Linear`` weights.
+
+    Precision (transformers 5.24, compressed-tensors 0.20.1): ``NVFP4PackedCompressor``
+    decompresses through bfloat16, so each weight equals
+    ``bf16(dequantize_nvfp4(...))`` exactly, then cast to ``dtype``; compare against
+    ``dequantized_reference_state(folder, weight_dtype=torch.bfloat16)``.
+
+    A plain ``from_pretrained(folder, dtype=torch.float32)`` is not usable on CPU: it keeps
+    the packed tensors and decompresses on the first forward pass into bfloat16 weights,
+    and that forward then fails with "expected m1 and m2 to have the same dtype".
 
     Args:
         folder: build folder with a compressed-tensors ``quantization_config``.
@@ -125,22 +133,27 @@ def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
     return model.eval()
 
 
-def dequantized_reference_state(folder: str | Path) -> dict[str, torch.Tensor]:
+def dequantized_reference_state(folder: str | Path,
+                                weight_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """State dict of an NVFP4 build dequantized with our own kernel.
 
     Each ``<m>.weight_packed`` (uint8 [N, K/2]), ``<m>.weight_scale`` (float8_e4m3fn
     [N, K/16]) and ``<m>.weight_global_scale`` (float32 [1], quantize direction) becomes
-    ``<m>.weight`` float32 [N, K] via :func:`quantize.kernels.nvfp4.dequantize_nvfp4`; every
-    other tensor is returned as stored (dtype unchanged). Tied ``lm_head.weight`` is not
-    added.
+    ``<m>.weight`` [N, K] via :func:`quantize.kernels.nvfp4.dequantize_nvfp4` (exact float32),
+    cast to ``weight_dtype``; every other tensor is returned as stored (dtype unchanged).
+    Tied ``lm_head.weight`` is not added.
 
     Args:
         folder: build folder with ``*.safetensors`` shards.
+        weight_dtype: dtype of the dequantized weights. ``torch.bfloat16`` reproduces what
+            :func:`load_build_model` gets from compressed-tensors, bit for bit.
 
     Returns:
         dict name -> tensor, on CPU.
@@ -170,5 +183,5 @@ def dequantized_reference_state(folder: str | Path) -> dict[str, torch.Tensor]:
                            + ", ".join(incomplete[:10]))
     for m, g in groups.items():
         state[m + ".weight"] = dequantize_nvfp4(g[".weight_packed"], g[".weight_scale"],
-                                                g[".weight_global_scale"])
+                                                g[".weight_global_scale"]).to(weight_dtype)
     return state

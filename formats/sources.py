@@ -82,7 +82,7 @@ class Source:
         self.weight_map, self.infos = weight_map, infos
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
-        self._reader = ShardReader(self.folder)
+        self._reader = ShardReader(self.folder, max_open=2)
         self._build_logical()
 
     # ---- structure -------------------------------------------------------------------

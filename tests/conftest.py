@@ -9,6 +9,25 @@ from safetensors.torch import save_file
 
 from quantize.kernels.fp8 import quantize_fp8_block
 
+def ct_nvfp4_reference(w: torch.Tensor, amax: torch.Tensor | None = None):
+    """compressed-tensors' own NVFP4 path on float32 ``w`` [N, K]: ``generate_gparam`` (over
+    ``amax``, e.g. a fused group's, default the tensor's) -> ``calculate_qparams`` ->
+    ``quantize_and_pack_fp4``. Returns (packed u8, block scale e4m3, global scale f32 [1])."""
+    from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                            symmetric=True, scale_dtype=torch.float8_e4m3fn)
+    if amax is None:
+        g = generate_gparam(w.min(), w.max())
+    else:
+        g = generate_gparam(-amax.reshape(1), amax.reshape(1))
+    n, k = w.shape
+    blocks = w.view(n, k // 16, 16)
+    s, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=g)
+    return quantize_and_pack_fp4(w, s, global_scale=g, group_size=16), s.to(torch.float8_e4m3fn), g
+
 BLOCK_FP8_QC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}
 
@@ -72,3 +91,21 @@ def tiny_fp8_llama(tmp_path) -> Path:
     folder = write_checkpoint(tmp_path / "src", t, config, shard_of, n_shards=3)
     (folder / "tokenizer_config.json").write_text("{}")
     return folder
+
+
+@pytest.fixture(scope="session")
+def demo_src(tmp_path_factory) -> Path:
+    """The real demo source (SmolLM2-135M-Instruct as 3-shard block FP8), built once."""
+    from quantize.demo import build_demo
+
+    return build_demo(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def demo_build(demo_src, tmp_path_factory) -> Path:
+    """The demo source converted to NVFP4 (compressed-tensors), once per session."""
+    from quantize.pipeline import convert
+
+    out = tmp_path_factory.mktemp("demo") / "nvfp4"
+    convert(demo_src, out, progress=False, device="cpu")
+    return out

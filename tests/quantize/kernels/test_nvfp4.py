@@ -2,25 +2,13 @@
 
 import pytest
 import torch
-from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4, unpack_fp4_from_uint8
-from compressed_tensors.quantization import QuantizationArgs
-from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
+from conftest import ct_nvfp4_reference
 from quantize.kernels.nvfp4 import (dequantize_nvfp4, global_scale_from_amax, pack_e2m1,
                                     quantize_nvfp4, unpack_e2m1)
 
-CT_ARGS = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16,
-                           symmetric=True, scale_dtype=torch.float8_e4m3fn)
-
-
-def ct_reference(w: torch.Tensor):
-    """compressed-tensors' own NVFP4 path: generate_gparam -> calculate_qparams ->
-    quantize_and_pack_fp4 (what NVFP4PackedCompressor.compress is fed in llm-compressor)."""
-    g = generate_gparam(w.min(), w.max())
-    n, k = w.shape
-    blocks = w.view(n, k // 16, 16)
-    s, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), CT_ARGS, global_scale=g)
-    return quantize_and_pack_fp4(w, s, global_scale=g, group_size=16), s.to(torch.float8_e4m3fn), g
+ct_reference = ct_nvfp4_reference
 
 
 def ours(w):
