@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from quantize.errors import SparkQuantError
+from quantize.redact import RedactingStream
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
@@ -30,17 +31,43 @@ def _resolve_src(src: str) -> tuple[Path, dict]:
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
     from quantize.pipeline import convert
 
+    from quantize.manifest import resume_hint
+
     src, info = _resolve_src(args.src)
     out = Path(args.out) if args.out else Path(f"{src.name}-NVFP4")
-    summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
-                      device=args.device, resume=args.resume, progress=not args.quiet,
-                      source_info=info)
+    try:
+        summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
+                          device=args.device, resume=args.resume, progress=not args.quiet,
+                          source_info=info)
+    except (SparkQuantError, KeyboardInterrupt) as e:
+        hint = resume_hint(out)
+        if hint:
+            e.args = (f"{e}\n{hint}",) if str(e) else (hint,)
+        raise
     print(summary.render())
     if args.src == "demo" and not args.no_showcase:
         from eval.showcase import showcase
 
-        print(showcase(src, out))
+        print(showcase(src, out, trust_remote_code=args.trust_remote_code))
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from quantize.verify import verify
+
+    report = verify(args.build, src=args.src, rows=args.rows)
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from quantize.preflight import preflight
+    from quantize.recipe import load_recipe
+
+    src, _ = _resolve_src(args.src)
+    report = preflight(src, args.out, recipe=load_recipe(args.recipe), resume=args.resume)
+    print(report.render())
+    return 1 if report.errors else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,17 +88,42 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--quiet", action="store_true", help="no progress bars")
     n.add_argument("--no-showcase", action="store_true",
                    help="with --src demo: skip loading the build and the KL report")
+    n.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run custom modeling code shipped with the source when "
+                        "the build is loaded for evaluation (never needed to convert: custom "
+                        "code is copied as files and otherwise never executed)")
     n.set_defaults(func=_cmd_nvfp4)
+
+    v = sub.add_parser("verify", help="check a build against its manifest, headers and source")
+    v.add_argument("build", help="build folder written by quantize nvfp4")
+    v.add_argument("--src", help="source folder to compare with (default: the manifest's)")
+    v.add_argument("--rows", type=int, default=4, help="rows sampled per tensor (default 4)")
+    v.set_defaults(func=_cmd_verify)
+
+    f = sub.add_parser("preflight", help="run every pre-flight check on a source (and --out) "
+                                         "without converting")
+    f.add_argument("src", help="source folder")
+    f.add_argument("--out", help="output folder to check (writable, free space, empty)")
+    f.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    f.add_argument("--resume", action="store_true", help="--out may hold an unfinished build")
+    f.set_defaults(func=_cmd_preflight)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Everything printed (our messages, logging, progress bars, tracebacks) is redacted:
+    # tokens never reach the console or a captured log.
+    if not isinstance(sys.stdout, RedactingStream):
+        sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (SparkQuantError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        print(f"interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ from tqdm.auto import tqdm
 
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
-from formats.shards import write_shard_atomic
-from formats.sources import Source, open_source
+from formats.shards import discard, write_shard_atomic
+from formats.sources import Source
 from quantize import __version__
 from quantize.errors import OutputError, SourceError
 from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
-from quantize.plan import Decision, module_of, plan_tensors
+from quantize.plan import Decision, module_of
+from quantize.preflight import ABSURD_AMAX, MIN_AMAX, preflight
 from quantize.recipe import Target, load_recipe
 
 __all__ = ["Summary", "convert"]
@@ -98,11 +99,44 @@ def _tied(config: dict) -> bool:
     return bool(config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False)))
 
 
-def _prepare_out(out: Path, resume: bool) -> None:
-    if out.exists() and any(out.iterdir()) and not resume:
-        raise OutputError(f"output folder {out} is not empty; pass --resume to continue a build "
-                          "or choose another --out", key=str(out))
-    out.mkdir(parents=True, exist_ok=True)
+_CARRY_SKIP = frozenset({"config.json", MANIFEST_NAME, PROGRESS_NAME})
+
+
+def _make_out(out: Path, resume: bool) -> None:
+    """Create ``out``; on resume remove ``*.tmp`` leftovers of a killed run (never complete
+    files: every write goes through a temp name and a rename)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create output folder {out}: {e}", key=str(out)) from None
+    if resume:
+        for p in out.rglob("*.tmp"):
+            discard(p)
+
+
+def _checked_amax(name: str, shard: str, t: torch.Tensor, nvfp4: bool) -> float | None:
+    """amax of a float tensor about to be written, after the value checks; None for
+    non-float tensors.
+
+    Raises:
+        SourceError: NaN / Inf values (never a silent NaN in a build); for an NVFP4 target,
+            an amax above ``ABSURD_AMAX`` or a non-zero amax below ``MIN_AMAX``.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return None
+    amax = t.abs().amax().float().item()  # NaN and Inf propagate through amax
+    if amax != amax or amax == float("inf"):
+        bad = int((~torch.isfinite(t)).sum())
+        raise SourceError(f"tensor {name} in shard {shard} has {bad} NaN/Inf values "
+                          "after dequantization; refusing to write a silent NaN",
+                          tensor=name, shard=shard)
+    if nvfp4 and (amax > ABSURD_AMAX or 0 < amax < MIN_AMAX):
+        raise SourceError(
+            f"tensor {name} in shard {shard} has amax {amax:.3g}, outside [{MIN_AMAX:.2g}, "
+            f"{ABSURD_AMAX:g}] where an NVFP4 global scale 2688/amax is meaningful: a corrupt "
+            f"weight. To carry it unquantized instead, add a recipe rule matching "
+            f"{module_of(name)} with target bf16", tensor=name, shard=shard)
+    return amax
 
 
 class _Quantizer:
@@ -114,13 +148,8 @@ class _Quantizer:
 
     def _load(self, name: str) -> torch.Tensor:
         w = self.source.read(name).to(torch.float32)
-        if not torch.isfinite(w).all():
-            t = self.source.tensors[name]
-            bad = int((~torch.isfinite(w)).sum())
-            raise SourceError(f"tensor {name} in shard {t.shard} has {bad} NaN/Inf values "
-                              "after dequantization; refusing to write a silent NaN",
-                              tensor=name, shard=t.shard)
-        self._amax[name] = w.abs().amax()
+        amax = _checked_amax(name, self.source.tensors[name].shard, w, nvfp4=True)
+        self._amax[name] = torch.tensor(amax, dtype=torch.float32)
         return w
 
     def amax(self, name: str) -> torch.Tensor:
@@ -162,12 +191,13 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    source = open_source(src)
     rec = load_recipe(recipe)
     writer = get_writer(fmt)
     dev = _resolve_device(device)
-    decisions = plan_tensors(source, rec)
-    notes = []
+    pre = preflight(src, out, recipe=rec, resume=resume, carry_skip=_CARRY_SKIP)
+    pre.raise_if_errors(src.name)
+    source, decisions = pre.source, pre.decisions
+    notes = [f"{f.level}: {f.message}" for f in pre.findings]
     skip = set()
     if _tied(source.config) and "lm_head.weight" in source.tensors:
         skip.add("lm_head.weight")
@@ -183,7 +213,7 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256}
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
                        "decisions": {n: d.target.value for n, d in decisions.items()}})
-    _prepare_out(out, resume)
+    _make_out(out, resume)
     _bound_allocator()
     ledger = Ledger(out, job, resume)
     quant = _Quantizer(source, decisions, dev)
@@ -205,35 +235,42 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             continue
         bar.set_postfix_str(shard)
         tensors: dict[str, torch.Tensor] = {}
+        stats: dict = {}
         for t in members:
             d = decisions[t.name]
             if d.target is Target.NVFP4:
                 packed, scale, g = quant(t.name)
                 tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g))
+                _shard_stats(stats, t.name, quant.amax(t.name).item(), scale)
                 elements += t.numel
-            elif d.target is Target.BF16:
-                tensors[t.name] = source.read(t.name).to(torch.bfloat16)
             else:
-                tensors[t.name] = source.read(t.name)
+                x = source.read(t.name)
+                x = x.to(torch.bfloat16) if d.target is Target.BF16 else x
+                amax = _checked_amax(t.name, t.shard, x, nvfp4=False)
+                _shard_stats(stats, t.name, amax if x.ndim == 2 else None)
+                tensors[t.name] = x
         write_shard_atomic(tensors, out / shard)
         del tensors
         _release_freed_memory()
-        ledger.mark(shard)
+        ledger.mark(shard, stats)
         written += 1
         bar.update(shard_bytes)
     bar.close()
     source.close()
 
+    notes += _data_notes([ledger.stats.get(s, {}) for s in out_shards])
     index = write_index(out, out_shards)
     ignore = sorted({module_of(n) for n, d in decisions.items()
                      if n not in skip and d.target is not Target.NVFP4 and module_of(n)})
     if _tied(source.config) and "lm_head" not in ignore:
         ignore.append("lm_head")  # the tied head is the unquantized embedding
+    # config.json after the carried files: weights + config without the tokenizer never look
+    # like a loadable folder.
+    carried = carry_files(src, out, skip=set(_CARRY_SKIP))
     config = json.loads(json.dumps(source.config))
     (config.get("text_config") or {}).pop("quantization_config", None)
     config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
     write_json_atomic(config, out / "config.json")
-    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME})
     summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], elements,
                       time.perf_counter() - t0, written, skipped, sorted(ignore), notes)
     write_manifest(out, {
@@ -249,3 +286,33 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     })
     ledger.finish()
     return summary
+
+
+def _shard_stats(stats: dict, name: str, amax: float | None,
+                 block_scale: torch.Tensor | None = None) -> None:
+    """Record data findings of one written tensor in its shard's ``stats``: an all-zero
+    weight, and NVFP4 block scales at the e4m3 floor 2^-9 (byte 0x01, FC-11b)."""
+    if amax == 0.0 and name.endswith(".weight"):
+        stats.setdefault("zero", []).append(name)
+    if block_scale is not None:
+        floor = int((block_scale.view(torch.uint8) == 1).sum())
+        if floor:
+            stats["floor_blocks"] = stats.get("floor_blocks", 0) + floor
+            stats["floor_tensors"] = stats.get("floor_tensors", 0) + 1
+
+
+def _data_notes(stats: list[dict]) -> list[str]:
+    """Summary notes from the per-shard stats of every output shard (finished in this run or
+    an earlier one), so a resumed build reports what an uninterrupted one does."""
+    zero = [n for s in stats for n in s.get("zero", [])]
+    blocks = sum(s.get("floor_blocks", 0) for s in stats)
+    tensors = sum(s.get("floor_tensors", 0) for s in stats)
+    notes = []
+    if zero:
+        notes.append(f"{len(zero)} all-zero weight(s) written as exact zeros (an all-zero NVFP4 "
+                     f"weight gets global scale 1.0 and block scales 0.125): "
+                     f"{', '.join(zero[:5])}{' ...' if len(zero) > 5 else ''}")
+    if blocks:
+        notes.append(f"{blocks} NVFP4 block scale(s) in {tensors} tensor(s) at the e4m3 floor "
+                     "2^-9 (blocks far below their tensor's amax; kept non-zero, FC-11b)")
+    return notes
