@@ -46,15 +46,16 @@ def _unsafe_member(folder: Path, rel, what: str) -> str | None:
     return None
 
 
-def scan_index(folder: Path) -> tuple[dict[str, str], list[Finding]]:
+def scan_index(folder: Path) -> tuple[dict[str, str], list[Finding], set[str]]:
     """Tensor name -> shard file name, from the index or a single ``model.safetensors``,
     with every problem found (not just the first).
 
     Returns:
-        ``(weight_map, findings)``: the map keeps only entries whose shard is a safe,
+        ``(weight_map, findings, listed)``: the map keeps only entries whose shard is a safe,
         existing, non-empty file; findings (kind ``index``) list unreadable indexes, entries
         pointing outside the folder, missing or empty shard files (all at once), and
-        pickled weights that are never loaded.
+        pickled weights that are never loaded; ``listed`` is every tensor name the index
+        lists, usable shard or not.
     """
     folder = Path(folder)
     findings: list[Finding] = []
@@ -68,17 +69,17 @@ def scan_index(folder: Path) -> tuple[dict[str, str], list[Finding]]:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
                 RecursionError) as e:
             return {}, [Finding("error", "index", f"{INDEX_NAME} is malformed: {e}",
-                                key="weight_map")]
+                                key="weight_map")], set()
     elif (folder / SINGLE_NAME).exists():
         try:
             weight_map = {k: SINGLE_NAME for k in read_header(folder / SINGLE_NAME)}
         except SourceError as e:
-            return {}, [Finding.of(e, "header")]
+            return {}, [Finding.of(e, "header")], set()
     else:
         hint = f" (found pickled weights {pickles}, which are never loaded)" if pickles else ""
-        return {}, [Finding("error", "index", f"{folder} has no {INDEX_NAME} or {SINGLE_NAME}{hint}")]
+        return {}, [Finding("error", "index", f"{folder} has no {INDEX_NAME} or {SINGLE_NAME}{hint}")], set()
     if not weight_map:
-        return {}, [Finding("error", "index", f"{INDEX_NAME} lists no tensors", key="weight_map")]
+        return {}, [Finding("error", "index", f"{INDEX_NAME} lists no tensors", key="weight_map")], set()
     bad: set = set()
     for shard in sorted(set(map(str, weight_map.values()))):
         raw = next(v for v in weight_map.values() if str(v) == shard)
@@ -95,7 +96,7 @@ def scan_index(folder: Path) -> tuple[dict[str, str], list[Finding]]:
         findings.append(Finding("info", "index", f"pickled weights {', '.join(pickles)} are "
                                 "never loaded nor copied (safetensors only)"))
     skip = bad | set(missing)
-    return {k: v for k, v in weight_map.items() if v not in skip}, findings
+    return {k: v for k, v in weight_map.items() if v not in skip}, findings, set(weight_map)
 
 
 def load_index(folder: Path) -> dict[str, str]:
@@ -105,7 +106,7 @@ def load_index(folder: Path) -> dict[str, str]:
         SourceError: no weights, unreadable index, an entry pointing outside the folder,
             or shard files that are missing or empty (all listed at once, before any read).
     """
-    weight_map, findings = scan_index(folder)
+    weight_map, findings, _ = scan_index(folder)
     raise_findings(findings, Path(folder).name)
     return weight_map
 

@@ -77,14 +77,15 @@ class Source:
     """A source checkpoint folder with lazy, dequantizing reads.
 
     ``findings`` holds the FP8 pairing problems found while building the logical tensors
-    (kind ``fp8``); :func:`open_source` refuses a source that has any.
+    (kind ``fp8``); :func:`open_source` refuses a source that has any. ``unreadable`` names
+    tensors the index lists whose shard or header entry could not be read (already reported).
     """
 
     def __init__(self, folder: Path, config: dict, kind: SourceKind, layout: _Fp8Layout | None,
                  weight_map: dict[str, str], infos: dict[str, TensorInfo],
                  unreadable: frozenset[str] = frozenset()):
         self.folder, self.config, self.kind, self.layout = Path(folder), config, kind, layout
-        self.weight_map, self.infos = weight_map, infos
+        self.weight_map, self.infos, self.unreadable = weight_map, infos, unreadable
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
         self._reader = ShardReader(self.folder, max_open=2)
@@ -286,12 +287,12 @@ def inspect_source(folder: str | Path) -> tuple["Source | None", list[Finding]]:
         except SourceError as e:
             findings.append(Finding.of(e, "config"))
             layout_ok = False
-    weight_map, idx_findings = scan_index(folder)
+    weight_map, idx_findings, listed = scan_index(folder)
     infos, hdr_findings = scan_headers(folder, weight_map)
     findings += idx_findings + hdr_findings
     if not layout_ok or not weight_map:
         return None, findings
-    unreadable = frozenset(n for n in weight_map if n not in infos)
+    unreadable = frozenset(n for n in listed if n not in infos)
     source = Source(folder, config, kind, layout, weight_map, infos, unreadable)
     return source, findings + source.findings
 

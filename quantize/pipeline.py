@@ -309,8 +309,8 @@ def _data_notes(stats: list[dict]) -> list[str]:
     tensors = sum(s.get("floor_tensors", 0) for s in stats)
     notes = []
     if zero:
-        notes.append(f"{len(zero)} all-zero weight(s) written as exact zeros (an all-zero NVFP4 "
-                     f"weight gets global scale 1.0 and block scales 0.125): "
+        notes.append(f"{len(zero)} all-zero weight(s) written as exact zeros (NVFP4: all codes 0, "
+                     f"block scales 0.125; global scale 1.0 unless shared with a fused group): "
                      f"{', '.join(zero[:5])}{' ...' if len(zero) > 5 else ''}")
     if blocks:
         notes.append(f"{blocks} NVFP4 block scale(s) in {tensors} tensor(s) at the e4m3 floor "

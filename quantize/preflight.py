@@ -133,7 +133,8 @@ def scan_scales(source: Source) -> list[Finding]:
 
 
 def _layout_findings(source: Source) -> list[Finding]:
-    shapes = {n: (source.infos[n].shape if n in source.infos else None) for n in source.weight_map}
+    shapes = {n: i.shape for n, i in source.infos.items()}
+    shapes.update({n: None for n in source.unreadable})
     return [Finding(level, "layout", msg, tensor=t)
             for level, msg, t in archs.check_layout(source.config, shapes)]
 

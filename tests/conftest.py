@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from quantize.kernels.fp8 import quantize_fp8_block
 
@@ -56,6 +56,20 @@ def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], config: dic
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def edit_shard(path: Path, fn) -> None:
+    """Rewrite a shard after ``fn`` changed its tensors dict in place (fault injection)."""
+    t = load_file(str(path))
+    fn(t)
+    save_file(t, str(path))
+
+
+def edit_json(path: Path, fn) -> None:
+    """Rewrite a JSON file after ``fn`` changed it in place (fault injection)."""
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
 
 
 def fp8_pair(name: str, w: torch.Tensor, block=(128, 128)) -> dict[str, torch.Tensor]:

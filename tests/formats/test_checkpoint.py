@@ -66,13 +66,14 @@ def test_every_index_problem_reported_at_once(tmp_path):
     (src / "model-00002-of-00004.safetensors").unlink()
     (src / "model-00003-of-00004.safetensors").write_bytes(b"")
     (src / INDEX_NAME).write_text(json.dumps(idx))
-    weight_map, findings = scan_index(src)
+    weight_map, findings, listed = scan_index(src)
     assert [f.message for f in findings] == [
         "model.safetensors.index.json names '../up.safetensors', which is not a file inside "
         "the source folder",
         "index names shard files that are missing or empty: model-00002-of-00004.safetensors, "
         "model-00003-of-00004.safetensors"]
     assert weight_map == {"t3.weight": "model-00004-of-00004.safetensors"}
+    assert listed == {f"t{i}.weight" for i in range(4)}
 
 
 def test_pickles_are_never_unpickled_nor_copied(tmp_path):

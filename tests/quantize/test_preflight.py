@@ -4,9 +4,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
+from conftest import BLOCK_FP8_QC, edit_json, edit_shard, fp8_pair, write_checkpoint
 from formats.checkpoint import INDEX_NAME
 from quantize.cli import main
 from quantize.errors import OutputError, SourceError
@@ -15,18 +14,6 @@ from quantize.preflight import check_output, preflight
 from quantize.recipe import load_recipe
 
 S1, S2, S3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
-
-
-def edit_shard(path, fn):
-    t = load_file(str(path))
-    fn(t)
-    save_file(t, str(path))
-
-
-def edit_json(path, fn):
-    d = json.loads(path.read_text())
-    fn(d)
-    path.write_text(json.dumps(d))
 
 
 def test_all_findings_of_all_kinds_reported_at_once(tmp_path, tiny_fp8_llama):
