@@ -5,7 +5,7 @@ import os
 import shutil
 from pathlib import Path
 
-from formats.shards import TensorInfo, discard, read_header
+from formats.shards import TensorInfo, discard, is_temp_name, read_header
 from quantize.errors import Finding, OutputError, SourceError, raise_findings
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "scan_index", "load_index", "scan_headers",
@@ -191,7 +191,7 @@ def carry_plan(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
     """Which non-weight files (tokenizer, chat template, generation config, license, custom
     code) of ``src`` are carried into a build, keeping sub-folders.
 
-    Weights (``*.safetensors``, pickles), the index, hidden paths, leftover ``*.tmp`` files
+    Weights (``*.safetensors``, pickles), the index, hidden paths, leftover temp files
     and names in ``skip`` are not carried; links leading outside ``src`` are refused.
 
     Returns:
@@ -203,7 +203,7 @@ def carry_plan(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if (not p.is_file() or rel.parts[0].startswith(".") or p.suffix in WEIGHT_SUFFIXES
-                or p.suffix in PICKLE_SUFFIXES or p.suffix == ".tmp" or str(rel) in skip
+                or p.suffix in PICKLE_SUFFIXES or is_temp_name(p.name) or str(rel) in skip
                 or p.name == INDEX_NAME):
             continue
         if p.is_symlink() and not any(p.resolve().is_relative_to(r) for r in roots):

@@ -13,12 +13,14 @@ from safetensors.torch import save_file
 from quantize.errors import OutputError, SourceError
 
 __all__ = ["TensorInfo", "read_header", "ShardReader", "write_shard_atomic", "sha256_file",
-           "DTYPE_BYTES", "TORCH_DTYPES", "discard"]
+           "DTYPE_BYTES", "TORCH_DTYPES", "discard", "is_temp_name"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
                "U32": 4, "U64": 8}
 MAX_HEADER_BYTES = 100_000_000  # same bound safetensors itself enforces
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once at import: os.umask can only be read by setting it
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                 "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
                 "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -218,6 +220,13 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def is_temp_name(name: str) -> bool:
+    """True for a leftover of an interrupted write: our ``<name>.tmp`` files, and the
+    ``.tmpXXXXXX`` files safetensors' ``save_file`` writes before renaming (a kill in the
+    middle of ``save_file`` leaves one behind)."""
+    return name.endswith(".tmp") or name.startswith(".tmp")
+
+
 def discard(path: Path) -> None:
     """Remove a temp file if it exists; a failure to remove (read-only folder) is ignored,
     since the caller is already reporting the error that made it a leftover."""
@@ -231,7 +240,10 @@ def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
                        metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors shard to ``path`` through a temp name, fsync, then rename.
 
-    A crash leaves at most a ``*.tmp`` file, never a complete-looking shard.
+    A crash leaves at most temp files (:func:`is_temp_name`), never a complete-looking shard.
+    The shard gets the permissions of an ordinary new file (``0o666`` minus the umask), not
+    the ``0o600`` of the temp file safetensors writes through, so an engine running as
+    another user can read the build.
 
     Raises:
         OutputError: naming the shard when the write fails (disk full, read-only, ...).
@@ -241,6 +253,7 @@ def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
     try:
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(tmp),
                   metadata=metadata or {"format": "pt"})
+        os.chmod(tmp, 0o666 & ~_UMASK)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

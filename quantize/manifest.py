@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from formats.checkpoint import write_json_atomic
-from formats.shards import sha256_file
+from formats.shards import is_temp_name, sha256_file
 from quantize.errors import OutputError
 from quantize.redact import redact_obj
 
@@ -96,7 +96,7 @@ def write_manifest(out: Path, info: dict) -> dict:
     files = {}
     for p in sorted(out.rglob("*")):
         rel = str(p.relative_to(out))
-        if p.is_file() and rel not in (MANIFEST_NAME, PROGRESS_NAME) and not rel.endswith(".tmp"):
+        if p.is_file() and rel not in (MANIFEST_NAME, PROGRESS_NAME) and not is_temp_name(p.name):
             files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
     manifest = redact_obj(dict(info, files=files))
     write_json_atomic(manifest, out / MANIFEST_NAME)

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
-from formats.shards import discard, write_shard_atomic
+from formats.shards import discard, is_temp_name, write_shard_atomic
 from formats.sources import Source
 from quantize import __version__
 from quantize.errors import OutputError, SourceError
@@ -103,15 +103,16 @@ _CARRY_SKIP = frozenset({"config.json", MANIFEST_NAME, PROGRESS_NAME})
 
 
 def _make_out(out: Path, resume: bool) -> None:
-    """Create ``out``; on resume remove ``*.tmp`` leftovers of a killed run (never complete
+    """Create ``out``; on resume remove the temp files a killed run left (never complete
     files: every write goes through a temp name and a rename)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create output folder {out}: {e}", key=str(out)) from None
     if resume:
-        for p in out.rglob("*.tmp"):
-            discard(p)
+        for p in out.rglob("*"):
+            if p.is_file() and is_temp_name(p.name):
+                discard(p)
 
 
 def _checked_amax(name: str, shard: str, t: torch.Tensor, nvfp4: bool) -> float | None:

@@ -4,7 +4,7 @@ agree with its source?
 Checks, all reported together:
 
 1. manifest: present (its absence means the build never finished), no progress ledger or
-   ``*.tmp`` leftovers, every listed file present with its size and sha256, no unlisted files;
+   temp-file leftovers, every listed file present with its size and sha256, no unlisted files;
 2. headers: every shard header re-read with the strict parser; the index equals the union of
    the headers and its ``total_size`` their tensor bytes (FC-21b);
 3. layout: every tensor the manifest's ``targets`` lists is in the build in its target form
@@ -27,7 +27,7 @@ import torch
 
 from formats.checkpoint import INDEX_NAME
 from formats.compressed_tensors import FORMAT_NAME, QUANTIZED_SUFFIXES
-from formats.shards import ShardReader, TensorInfo, read_header, sha256_file
+from formats.shards import ShardReader, TensorInfo, is_temp_name, read_header, sha256_file
 from formats.sources import Source, inspect_source
 from quantize.errors import Finding, SourceError, render_findings
 from quantize.kernels.nvfp4 import dequantize_nvfp4
@@ -93,7 +93,7 @@ def _check_files(build: Path, manifest: dict, rep: VerifyReport) -> None:
         rel = str(p.relative_to(build))
         if p.is_file() and rel != MANIFEST_NAME and rel not in listed:
             why = ("an unfinished run's progress ledger" if rel == PROGRESS_NAME else
-                   "a leftover temp file" if rel.endswith(".tmp") else "not in the manifest")
+                   "a leftover temp file" if is_temp_name(p.name) else "not in the manifest")
             rep.add("error", "files", f"{rel}: {why}", key=rel)
 
 

@@ -32,11 +32,22 @@ REPO = Path(__file__).resolve().parents[1]
 S1, S2, S3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
 
 
+SHOW = {"on": False}
+
+
+@pytest.fixture(autouse=True)
+def _show_with_s(request):
+    SHOW["on"] = request.config.getoption("capture") == "no"
+
+
 def run(capsys, *args) -> tuple[int, str]:
-    """Run the quantize command; returns (exit code, stderr) and prints what the user saw."""
+    """Run the quantize command; returns (exit code, stderr); with ``pytest -s`` also prints
+    what the user saw."""
     rc = main([str(a) for a in args])
     err = capsys.readouterr().err
-    print(f"\n--- quantize {' '.join(map(str, args[:1]))}: exit {rc}\n{err}")
+    if SHOW["on"]:
+        with capsys.disabled():
+            print(f"\n--- quantize {args[0]}: exit {rc}\n{err}", end="")
     return rc, err
 
 
@@ -133,6 +144,14 @@ def _layers(src):
     edit_json(src / "config.json", lambda c: c.update(num_hidden_layers=3))
 
 
+def _bad_config(src):
+    (src / "config.json").write_text('{"model_type": "llama",')
+
+
+def _gptq(src):
+    edit_json(src / "config.json", lambda c: c.update(quantization_config={"quant_method": "gptq"}))
+
+
 def _dotdot(src):
     edit_json(src / INDEX_NAME, lambda d: d["weight_map"].update({"model.norm.weight": "../x.safetensors"}))
 
@@ -191,6 +210,12 @@ SOURCE_FAULTS = [
     ("config vs index layers", _layers,
      "error: [layout] config.json declares num_hidden_layers=3 but the checkpoint has no tensors "
      "for layer(s) 2"),
+    ("config.json corrupt", _bad_config,
+     "error: [config] config.json is not valid JSON: Expecting property name enclosed in double "
+     "quotes: line 1 column 24 (char 23)"),
+    ("unsupported source format", _gptq,
+     "error: [config] source quant_method 'gptq' is not supported (fp8, compressed-tensors "
+     "float-quantized, or unquantized)"),
     ("index path ../", _dotdot,
      "error: [index] model.safetensors.index.json names '../x.safetensors', which is not a file "
      "inside the source folder"),
@@ -311,6 +336,8 @@ def tmpfs(tmp_path):
     mounted = []
 
     def mount(name: str, size: int, *opts: str) -> Path:
+        if shutil.which("mount") is None:
+            pytest.skip("no mount command here; disk-full and read-only tests need one (and root)")
         point = tmp_path / name
         point.mkdir()
         o = ",".join([f"size={size}", *opts])
@@ -476,6 +503,7 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path, tiny_fp8_llama, clean, k
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # as if killed mid-write
         elif f.name != PROGRESS_NAME:
             assert f.read_bytes() == (clean / f.name).read_bytes(), f.name
+    (out / ".tmpK9x2Qa").write_bytes(b"\0" * 999)  # what a kill inside safetensors' save_file leaves
     done = len(json.loads((out / PROGRESS_NAME).read_text())["shards"]) if (out / PROGRESS_NAME).exists() else 0
     summary = convert(tiny_fp8_llama, out, progress=False, device="cpu", resume=True)
     assert summary.shards_skipped == done

@@ -109,3 +109,13 @@ def test_short_read_is_named(tmp_path, monkeypatch):
                                           r"file ends at byte \d+ \(truncated during the run\)"):
         r.get("x.safetensors", "a")
     r.close()
+
+
+def test_written_shard_is_readable_by_others_and_leaves_no_temp(tmp_path):
+    """safetensors writes through a 0600 temp file; a build must be readable by an engine
+    running as another user, like any new file under the umask."""
+    from formats.shards import _UMASK, write_shard_atomic
+
+    write_shard_atomic({"a": torch.ones(2)}, tmp_path / "x.safetensors")
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o666 & ~_UMASK
+    assert os.listdir(tmp_path) == ["x.safetensors"]
