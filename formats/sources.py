@@ -118,14 +118,15 @@ class Source:
                 continue
             self.tensors[name] = LogicalTensor(name, info.shard, info.shape, info.dtype, scale)
         if problems:
+            more = [f"... and {len(problems) - 50} more"] if len(problems) > 50 else []
             raise SourceError(f"{len(problems)} problem(s) in {self.folder.name}:\n  "
-                              + "\n  ".join(problems), tensor=problems[0].split(" ")[2])
+                              + "\n  ".join(problems[:50] + more), tensor=problems[0].split(" ")[2])
 
     def _check_scale(self, w: TensorInfo, s: TensorInfo) -> str | None:
         if len(w.shape) != 2:
             return f"FP8 weight {w.name} in {w.shard} is {len(w.shape)}-D; expected 2-D"
         if s.dtype not in SCALE_DTYPES:
-            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32 or BF16"
+            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32, BF16 or F16"
         n, k = w.shape
         lay = self.layout
         if lay.block:
@@ -134,10 +135,11 @@ class Source:
         elif lay.group:
             ok = {(n, -(-k // lay.group))}
         else:  # tensor or channel strategy
-            ok = {(1,), (), (1, 1), (n, 1), (n,)}
+            ok = {(n, 1), (n,), (1,), (), (1, 1)}
         if tuple(s.shape) not in ok:
+            want = " or ".join(str(list(x)) for x in sorted(ok, key=len, reverse=True)[:2])
             return (f"scale {s.name} in {s.shard} has shape {list(s.shape)}; weight {w.name} "
-                    f"{n}x{k} needs {sorted(ok)[0]}")
+                    f"{n}x{k} needs {want}")
         return None
 
     @property
@@ -177,6 +179,9 @@ class Source:
 def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]:
     if not qc:
         return SourceKind.DENSE, None
+    if not isinstance(qc, dict):
+        raise SourceError("config.json quantization_config must be an object",
+                          key="quantization_config")
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -206,9 +211,17 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
         a = args[0]
         strategy = a.get("strategy")
         if strategy == "block":
-            return SourceKind.CT_FP8, _Fp8Layout("_scale", block=tuple(a["block_structure"]))
+            block = a.get("block_structure")
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise SourceError(f"FP8 block strategy needs block_structure [rows, cols], got {block!r}",
+                                  key="quantization_config.config_groups.weights.block_structure")
+            return SourceKind.CT_FP8, _Fp8Layout("_scale", block=tuple(block))
         if strategy == "group":
-            return SourceKind.CT_FP8, _Fp8Layout("_scale", group=int(a["group_size"]))
+            group = a.get("group_size")
+            if not (isinstance(group, int) and group > 0):
+                raise SourceError(f"FP8 group strategy needs a positive group_size, got {group!r}",
+                                  key="quantization_config.config_groups.weights.group_size")
+            return SourceKind.CT_FP8, _Fp8Layout("_scale", group=group)
         if strategy in ("tensor", "channel"):
             return SourceKind.CT_FP8, _Fp8Layout("_scale")
         raise SourceError(f"FP8 strategy {strategy!r} is not supported",
@@ -236,6 +249,8 @@ def open_source(folder: str | Path) -> Source:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise SourceError(f"config.json is not valid JSON: {e}", key="config.json") from None
+    if not isinstance(config, dict):
+        raise SourceError("config.json must hold a JSON object", key="config.json")
     qc = config.get("quantization_config")
     if qc is None and isinstance(config.get("text_config"), dict):
         qc = config["text_config"].get("quantization_config")

@@ -29,31 +29,44 @@ def fingerprint(obj) -> str:
 
 
 class Ledger:
-    """Which output shards are finished, for ``--resume``."""
+    """Which output shards are finished, for ``--resume``.
+
+    Each entry records the output shard's sha256 and the (size, mtime_ns) of every source
+    shard it was computed from, so a re-downloaded or edited source shard is converted again.
+    """
 
     def __init__(self, out: Path, job: str, resume: bool):
         self.path = Path(out) / PROGRESS_NAME
         self.out = Path(out)
-        self.done: dict[str, str] = {}
+        self.done: dict[str, dict] = {}
         if resume and self.path.exists():
-            data = json.loads(self.path.read_text())
-            if data.get("job") != job:
+            try:
+                data = json.loads(self.path.read_text())
+                job_seen, done = data["job"], data["shards"]
+                if not isinstance(done, dict):
+                    raise TypeError("shards is not an object")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise OutputError(f"resume ledger {self.path} is corrupt ({e}); delete it to "
+                                  "start this build over", key=PROGRESS_NAME) from None
+            if job_seen != job:
                 raise OutputError(
                     f"{out} holds a different build (options or source changed); use a new --out "
                     "or delete the folder", key=PROGRESS_NAME)
-            self.done = data.get("shards", {})
+            self.done = done
         self.job = job
         self._save()
 
-    def is_done(self, shard: str) -> bool:
-        """True when ``shard`` was finished by an earlier run and its bytes still match."""
-        want = self.done.get(shard)
+    def is_done(self, shard: str, sources: dict[str, list[int]]) -> bool:
+        """True when ``shard`` was finished by an earlier run from the same source files
+        (size and mtime) and its bytes still match."""
+        entry = self.done.get(shard)
         p = self.out / shard
-        return want is not None and p.is_file() and sha256_file(p) == want
+        return (isinstance(entry, dict) and entry.get("sources") == sources and p.is_file()
+                and sha256_file(p) == entry.get("sha256"))
 
-    def mark(self, shard: str) -> str:
+    def mark(self, shard: str, sources: dict[str, list[int]]) -> str:
         digest = sha256_file(self.out / shard)
-        self.done[shard] = digest
+        self.done[shard] = {"sha256": digest, "sources": sources}
         self._save()
         return digest
 
