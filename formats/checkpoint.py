@@ -8,8 +8,9 @@ from pathlib import Path
 from formats.shards import TensorInfo, discard, is_temp_name, read_header
 from quantize.errors import Finding, OutputError, SourceError, raise_findings
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "scan_index", "load_index", "scan_headers",
-           "read_all_headers", "write_json_atomic", "write_index", "carry_plan", "carry_files"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "trusted_root", "scan_index", "load_index",
+           "scan_headers", "read_all_headers", "write_json_atomic", "write_index", "carry_plan",
+           "carry_files"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -18,14 +19,14 @@ WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def _allowed_roots(folder: Path) -> list[Path]:
-    """Where files of ``folder`` may resolve to: the folder itself, and for a Hugging Face
-    cache snapshot (``.../snapshots/<rev>``) the repo's ``blobs`` folder its links point
-    into (huggingface_hub cache layout)."""
-    roots = [folder.resolve()]
-    if folder.parent.name == "snapshots":
-        roots.append((folder.parent.parent / "blobs").resolve())
-    return roots
+def trusted_root(folder: Path) -> Path:
+    """Where links inside ``folder`` may point: the folder itself, or for a huggingface_hub
+    cache snapshot (``models--org--name/snapshots/<commit>``, whose files link to
+    ``../../blobs/<hash>``) the repo's cache folder."""
+    folder = Path(folder).resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith(("models--", "datasets--")):
+        return folder.parent.parent
+    return folder
 
 
 def _unsafe_member(folder: Path, rel, what: str) -> str | None:
@@ -40,8 +41,7 @@ def _unsafe_member(folder: Path, rel, what: str) -> str | None:
     if p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\\" in rel:
         return f"{what} names {rel!r}, which is not a file inside the source folder"
     full = folder / rel
-    if full.is_symlink() and not any(full.resolve().is_relative_to(r)
-                                     for r in _allowed_roots(folder)):
+    if full.is_symlink() and not full.resolve().is_relative_to(trusted_root(folder)):
         return f"{what} names {rel!r}, a link leading outside the source folder"
     return None
 
@@ -116,9 +116,9 @@ def scan_headers(folder: Path, weight_map: dict[str, str]) -> tuple[dict[str, Te
 
     Returns:
         ``(infos, findings)``: TensorInfo for every listed tensor found in a readable
-        header; findings for unreadable headers (kind ``header``), index entries missing
-        from their shard (FC-21a, kind ``index``, one per tensor) and tensors present in a
-        shard but not listed in the index (warning: they are not converted).
+        header; findings for unreadable headers (kind ``header``), and, one per tensor (kind
+        ``index``), index entries missing from their shard (FC-21a) and tensors in a shard
+        that the index does not list there (they would be silently dropped).
     """
     folder = Path(folder)
     infos: dict[str, TensorInfo] = {}
@@ -138,11 +138,9 @@ def scan_headers(folder: Path, weight_map: dict[str, str]) -> tuple[dict[str, Te
                                         "in that shard's header", tensor=name, shard=shard))
             else:
                 infos[name] = header[name]
-        extra = sorted(set(header) - set(weight_map))
-        if extra:
-            findings.append(Finding("warning", "index", f"shard {shard} holds {len(extra)} "
-                                    f"tensor(s) the index does not list, not converted: "
-                                    f"{', '.join(extra[:5])}", tensor=extra[0], shard=shard))
+        for name in sorted(n for n in header if weight_map.get(n) != shard):
+            findings.append(Finding("error", "index", f"{name} (in {shard}, not listed in the "
+                                    "index)", tensor=name, shard=shard))
     return infos, findings
 
 
@@ -191,22 +189,25 @@ def carry_plan(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
     """Which non-weight files (tokenizer, chat template, generation config, license, custom
     code) of ``src`` are carried into a build, keeping sub-folders.
 
-    Weights (``*.safetensors``, pickles), the index, hidden paths, leftover temp files
-    and names in ``skip`` are not carried; links leading outside ``src`` are refused.
+    Weights (``*.safetensors``, pickles), the index, hidden paths, leftover temp files,
+    sub-folders holding a checkpoint of their own and names in ``skip`` are not carried;
+    links leading outside ``src`` (or its Hub cache repo folder) are refused.
 
     Returns:
         ``(relative paths to copy, messages about files refused)``.
     """
     src = Path(src)
     copy, refused = [], []
-    roots = _allowed_roots(src)
+    root = trusted_root(src)
+    # sub-folders that are checkpoints of their own (an earlier build kept beside the source)
+    nested = {p.parent for p in src.rglob("config.json") if p.parent != src}
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if (not p.is_file() or rel.parts[0].startswith(".") or p.suffix in WEIGHT_SUFFIXES
                 or p.suffix in PICKLE_SUFFIXES or is_temp_name(p.name) or str(rel) in skip
-                or p.name == INDEX_NAME):
+                or p.name == INDEX_NAME or any(p.is_relative_to(n) for n in nested)):
             continue
-        if p.is_symlink() and not any(p.resolve().is_relative_to(r) for r in roots):
+        if p.is_symlink() and not p.resolve().is_relative_to(root):
             refused.append(f"{rel} is a link leading outside the source folder; not copied")
             continue
         copy.append(str(rel))

@@ -19,8 +19,8 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
                "U32": 4, "U64": 8}
 MAX_HEADER_BYTES = 100_000_000  # same bound safetensors itself enforces
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read once at import: os.umask can only be read by setting it
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                 "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
                 "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -61,7 +61,10 @@ def _header_size(path: Path) -> tuple[int, int]:
         raise SourceError(f"shard {name} is empty or truncated ({size} bytes)", shard=name)
     with open(path, "rb") as f:
         (hlen,) = struct.unpack("<Q", f.read(8))
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+    if hlen > MAX_HEADER_BYTES:
+        raise SourceError(f"shard {name}: header length {hlen} exceeds the {MAX_HEADER_BYTES}"
+                          "-byte limit safetensors allows", shard=name)
+    if 8 + hlen > size:
         raise SourceError(f"shard {name}: header length {hlen} exceeds the file ({size} bytes)",
                           shard=name)
     return size, hlen
@@ -87,7 +90,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
     Checks the header length, JSON, dtypes, and that every tensor's byte range lies inside the
     file, is consistent with its shape and does not overlap another, before anything is
-    allocated. Header fields are type-checked (non-negative integer dims and offsets).
+    allocated. Header fields are type-checked (non-negative integer dims and offsets;
+    ``__metadata__`` strings only).
 
     Returns:
         tensor name -> TensorInfo (``__metadata__`` skipped).
@@ -107,14 +111,16 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise SourceError(f"shard {name}: header is not valid JSON ({str(e)[:80]})",
                           shard=name) from None
     if not isinstance(header, dict):
-        raise SourceError(f"shard {name}: header is a JSON {type(header).__name__}, not an "
-                          "object", shard=name)
+        raise SourceError(f"shard {name}: header is not a JSON object", shard=name)
     data_start = 8 + hlen
     data_len = size - data_start
     out: dict[str, TensorInfo] = {}
     spans = []
     for key, v in header.items():
         if key == "__metadata__":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                raise SourceError(f"shard {name}: __metadata__ must map strings to strings",
+                                  shard=name, key="__metadata__")
             continue
         dtype, shape, start, end = _entry(name, key, v)
         if dtype not in DTYPE_BYTES:
@@ -253,7 +259,7 @@ def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
     try:
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(tmp),
                   metadata=metadata or {"format": "pt"})
-        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # readable like any other output file, not 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

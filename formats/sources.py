@@ -134,7 +134,7 @@ class Source:
         if len(w.shape) != 2:
             return f"FP8 weight {w.name} in {w.shard} is {len(w.shape)}-D; expected 2-D"
         if s.dtype not in SCALE_DTYPES:
-            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32 or BF16"
+            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32, BF16 or F16"
         n, k = w.shape
         lay = self.layout
         if lay.block:
@@ -143,10 +143,11 @@ class Source:
         elif lay.group:
             ok = {(n, -(-k // lay.group))}
         else:  # tensor or channel strategy
-            ok = {(1,), (), (1, 1), (n, 1), (n,)}
+            ok = {(n, 1), (n,), (1,), (), (1, 1)}
         if tuple(s.shape) not in ok:
+            want = " or ".join(str(list(x)) for x in sorted(ok, key=len, reverse=True)[:2])
             return (f"scale {s.name} in {s.shard} has shape {list(s.shape)}; weight {w.name} "
-                    f"{n}x{k} needs {sorted(ok)[0]}")
+                    f"{n}x{k} needs {want}")
         return None
 
     @property
@@ -205,6 +206,9 @@ class Source:
 def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]:
     if not qc:
         return SourceKind.DENSE, None
+    if not isinstance(qc, dict):
+        raise SourceError("config.json quantization_config must be an object",
+                          key="quantization_config")
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -234,9 +238,17 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
         a = args[0]
         strategy = a.get("strategy")
         if strategy == "block":
-            return SourceKind.CT_FP8, _Fp8Layout("_scale", block=tuple(a["block_structure"]))
+            block = a.get("block_structure")
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise SourceError(f"FP8 block strategy needs block_structure [rows, cols], got {block!r}",
+                                  key="quantization_config.config_groups.weights.block_structure")
+            return SourceKind.CT_FP8, _Fp8Layout("_scale", block=tuple(block))
         if strategy == "group":
-            return SourceKind.CT_FP8, _Fp8Layout("_scale", group=int(a["group_size"]))
+            group = a.get("group_size")
+            if not (isinstance(group, int) and group > 0):
+                raise SourceError(f"FP8 group strategy needs a positive group_size, got {group!r}",
+                                  key="quantization_config.config_groups.weights.group_size")
+            return SourceKind.CT_FP8, _Fp8Layout("_scale", group=group)
         if strategy in ("tensor", "channel"):
             return SourceKind.CT_FP8, _Fp8Layout("_scale")
         raise SourceError(f"FP8 strategy {strategy!r} is not supported",
@@ -280,9 +292,6 @@ def inspect_source(folder: str | Path) -> tuple["Source | None", list[Finding]]:
     kind, layout = SourceKind.DENSE, None
     if layout_ok:
         try:
-            if qc is not None and not isinstance(qc, dict):
-                raise SourceError("quantization_config is not a JSON object",
-                                  key="quantization_config")
             kind, layout = _layout_from_config(qc)
         except SourceError as e:
             findings.append(Finding.of(e, "config"))

@@ -34,7 +34,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     from quantize.manifest import resume_hint
 
     src, info = _resolve_src(args.src)
-    out = Path(args.out) if args.out else Path(f"{src.name}-NVFP4")
+    out = Path(args.out) if args.out else Path(f"{src.resolve().name}-NVFP4")
     try:
         summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
                           device=args.device, resume=args.resume, progress=not args.quiet,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SparkQuantError, ValueError) as e:
+    except (SparkQuantError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

@@ -5,8 +5,8 @@
   digests), the tool version, the recipe and its hash, and the conversion summary. It holds
   no timestamps, so an interrupted-then-resumed build is byte-identical to a clean one.
 - ``.spark-quant-progress.json`` is the ledger of finished output shards while a build runs:
-  the job fingerprint (options + source headers + decisions), each shard's sha256, and the
-  per-shard data findings (all-zero tensors, block scales at the e4m3 floor) so that a resumed
+  the job fingerprint (options + source headers + decisions), each shard's sha256 and source
+  files, and the per-shard data findings (all-zero tensors, block scales at the e4m3 floor) so that a resumed
   build reports the same notes as an uninterrupted one. It is removed when the build
   completes.
 
@@ -35,44 +35,57 @@ def fingerprint(obj) -> str:
 
 
 class Ledger:
-    """Which output shards are finished, for ``--resume``."""
+    """Which output shards are finished, for ``--resume``.
+
+    Each entry records the output shard's sha256, the (size, mtime_ns) of every source
+    shard it was computed from, so a re-downloaded or edited source shard is converted again,
+    and the shard's data findings.
+    """
 
     def __init__(self, out: Path, job: str, resume: bool):
         self.path = Path(out) / PROGRESS_NAME
         self.out = Path(out)
-        self.done: dict[str, str] = {}
-        self.stats: dict[str, dict] = {}
+        self.done: dict[str, dict] = {}
         if resume and self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
-                done, stats = dict(data.get("shards", {})), dict(data.get("stats", {}))
-            except (OSError, ValueError, TypeError, AttributeError) as e:
-                raise OutputError(f"the progress ledger {self.path} is unreadable ({e}); delete it "
-                                  "to redo every shard, or use a new --out", key=PROGRESS_NAME) from None
-            if data.get("job") != job:
+                job_seen, done = data["job"], data["shards"]
+                if not isinstance(done, dict):
+                    raise TypeError("shards is not an object")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise OutputError(f"resume ledger {self.path} is corrupt ({e}); delete it to "
+                                  "start this build over", key=PROGRESS_NAME) from None
+            if job_seen != job:
                 raise OutputError(
                     f"{out} holds a different build (options or source changed); use a new --out "
                     "or delete the folder", key=PROGRESS_NAME)
-            self.done, self.stats = done, stats
+            self.done = done
         self.job = job
         self._save()
 
-    def is_done(self, shard: str) -> bool:
-        """True when ``shard`` was finished by an earlier run and its bytes still match."""
-        want = self.done.get(shard)
+    def is_done(self, shard: str, sources: dict[str, list[int]]) -> bool:
+        """True when ``shard`` was finished by an earlier run from the same source files
+        (size and mtime) and its bytes still match."""
+        entry = self.done.get(shard)
         p = self.out / shard
-        return want is not None and p.is_file() and sha256_file(p) == want
+        return (isinstance(entry, dict) and entry.get("sources") == sources and p.is_file()
+                and sha256_file(p) == entry.get("sha256"))
 
-    def mark(self, shard: str, stats: dict | None = None) -> str:
-        """Record ``shard`` as finished (its sha256) with its data findings ``stats``."""
+    def mark(self, shard: str, sources: dict[str, list[int]], stats: dict | None = None) -> str:
+        """Record ``shard`` as finished: its sha256, the source files it came from and its
+        data findings ``stats`` (reported again by a resumed run)."""
         digest = sha256_file(self.out / shard)
-        self.done[shard] = digest
-        self.stats[shard] = stats or {}
+        self.done[shard] = {"sha256": digest, "sources": sources, "stats": stats or {}}
         self._save()
         return digest
 
+    def stats(self, shard: str) -> dict:
+        """Data findings recorded for a finished ``shard`` (empty if none)."""
+        entry = self.done.get(shard)
+        return entry.get("stats", {}) if isinstance(entry, dict) else {}
+
     def _save(self) -> None:
-        write_json_atomic({"job": self.job, "shards": self.done, "stats": self.stats}, self.path)
+        write_json_atomic({"job": self.job, "shards": self.done}, self.path)
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -92,7 +92,10 @@ def _resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA device")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device (cpu, cuda, cuda:N or auto)") from None
 
 
 def _tied(config: dict) -> bool:
@@ -102,42 +105,80 @@ def _tied(config: dict) -> bool:
 _CARRY_SKIP = frozenset({"config.json", MANIFEST_NAME, PROGRESS_NAME})
 
 
-def _make_out(out: Path, resume: bool) -> None:
-    """Create ``out``; on resume remove the temp files a killed run left (never complete
-    files: every write goes through a temp name and a rename)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"cannot create output folder {out}: {e}", key=str(out)) from None
-    if resume:
+def _prepare_out(out: Path, resume: bool) -> None:
+    """Create ``out`` (pre-flight has checked it); on resume, before any shard is touched,
+    remove the files that mark a build complete and the temp files a killed run left (never
+    complete files: every write goes through a temp name and a rename)."""
+    if resume and out.is_dir():
+        for name in (MANIFEST_NAME, INDEX_NAME, "config.json"):
+            (out / name).unlink(missing_ok=True)
         for p in out.rglob("*"):
             if p.is_file() and is_temp_name(p.name):
                 discard(p)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create --out {out}: {e}", key=str(out)) from None
 
 
-def _checked_amax(name: str, shard: str, t: torch.Tensor, nvfp4: bool) -> float | None:
+def _checked_amax(name: str, t: torch.Tensor, source: Source, nvfp4: bool) -> float | None:
     """amax of a float tensor about to be written, after the value checks; None for
     non-float tensors.
 
     Raises:
-        SourceError: NaN / Inf values (never a silent NaN in a build); for an NVFP4 target,
-            an amax above ``ABSURD_AMAX`` or a non-zero amax below ``MIN_AMAX``.
+        SourceError: NaN / Inf values (never a silent NaN in a build; FP8 after
+            dequantization); for an NVFP4 target, an amax above ``ABSURD_AMAX`` or a non-zero
+            amax below ``MIN_AMAX``.
     """
     if not t.is_floating_point() or t.numel() == 0:
         return None
+    info = source.tensors[name]
     amax = t.abs().amax().float().item()  # NaN and Inf propagate through amax
     if amax != amax or amax == float("inf"):
+        what = " after dequantization" if info.is_fp8 else ""
         bad = int((~torch.isfinite(t)).sum())
-        raise SourceError(f"tensor {name} in shard {shard} has {bad} NaN/Inf values "
-                          "after dequantization; refusing to write a silent NaN",
-                          tensor=name, shard=shard)
+        raise SourceError(f"tensor {name} in shard {info.shard} has {bad} NaN/Inf values{what}; "
+                          "refusing to write a silent NaN", tensor=name, shard=info.shard)
     if nvfp4 and (amax > ABSURD_AMAX or 0 < amax < MIN_AMAX):
         raise SourceError(
-            f"tensor {name} in shard {shard} has amax {amax:.3g}, outside [{MIN_AMAX:.2g}, "
+            f"tensor {name} in shard {info.shard} has amax {amax:.3g}, outside [{MIN_AMAX:.2g}, "
             f"{ABSURD_AMAX:g}] where an NVFP4 global scale 2688/amax is meaningful: a corrupt "
             f"weight. To carry it unquantized instead, add a recipe rule matching "
-            f"{module_of(name)} with target bf16", tensor=name, shard=shard)
+            f"{module_of(name)} with target bf16", tensor=name, shard=info.shard)
     return amax
+
+
+def _tied_head_duplicate(source: Source) -> bool:
+    """True when a tied model also stores ``lm_head.weight`` equal (bit for bit) to the
+    embedding: it can be dropped. A different stored head is what transformers uses (it
+    declines to tie differing tensors), so it is kept and the tie flag cleared (FC-23)."""
+    emb = next((n for n in source.tensors if n.endswith("embed_tokens.weight")), None)
+    if emb is None or "lm_head.weight" not in source.tensors:
+        return False
+    a, b = source.read("lm_head.weight"), source.read(emb)
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8)))
+
+
+def _set_tie(config: dict, value: bool) -> None:
+    for cfg in (config, config.get("text_config")):
+        if isinstance(cfg, dict) and "tie_word_embeddings" in cfg:
+            cfg["tie_word_embeddings"] = value
+
+
+def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> dict[str, list[int]]:
+    """(size, mtime_ns) of every source shard the output ``shard`` is computed from: its own
+    tensors, their FP8 scales and their fused-group partners."""
+    files = {shard}
+    for t in source.tensors_in(shard):
+        names = [m + ".weight" for m in decisions[t.name].members] or [t.name]
+        for n in names:
+            lt = source.tensors.get(n)
+            if lt is not None:
+                files.add(lt.shard)
+                if lt.scale is not None:
+                    files.add(lt.scale.shard)
+    return {f: [(st := (source.folder / f).stat()).st_size, st.st_mtime_ns] for f in sorted(files)}
 
 
 class _Quantizer:
@@ -149,8 +190,7 @@ class _Quantizer:
 
     def _load(self, name: str) -> torch.Tensor:
         w = self.source.read(name).to(torch.float32)
-        amax = _checked_amax(name, self.source.tensors[name].shard, w, nvfp4=True)
-        self._amax[name] = torch.tensor(amax, dtype=torch.float32)
+        self._amax[name] = torch.tensor(_checked_amax(name, w, self.source, nvfp4=True))
         return w
 
     def amax(self, name: str) -> torch.Tensor:
@@ -200,10 +240,16 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     source, decisions = pre.source, pre.decisions
     notes = [f"{f.level}: {f.message}" for f in pre.findings]
     skip = set()
-    if _tied(source.config) and "lm_head.weight" in source.tensors:
-        skip.add("lm_head.weight")
-        notes.append("lm_head.weight dropped: tie_word_embeddings is true, the loader uses "
-                     "embed_tokens (FC-23)")
+    tied = _tied(source.config)
+    if tied and "lm_head.weight" in source.tensors:
+        if _tied_head_duplicate(source):
+            skip.add("lm_head.weight")
+            notes.append("lm_head.weight dropped: tie_word_embeddings is true and it equals "
+                         "embed_tokens bit for bit (FC-23)")
+        else:
+            tied = False
+            notes.append("lm_head.weight differs from embed_tokens although "
+                         "tie_word_embeddings is true: kept, and the flag set false (FC-23)")
     if source.dropped:
         notes.append(f"dropped {len(source.dropped)} FP8 activation/KV sidecars "
                      f"(e.g. {source.dropped[0]})")
@@ -214,7 +260,7 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256}
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
                        "decisions": {n: d.target.value for n, d in decisions.items()}})
-    _make_out(out, resume)
+    _prepare_out(out, resume)
     _bound_allocator()
     ledger = Ledger(out, job, resume)
     quant = _Quantizer(source, decisions, dev)
@@ -230,7 +276,8 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             bar.update(shard_bytes)
             continue
         out_shards.append(shard)
-        if ledger.is_done(shard):
+        deps = _source_deps(source, decisions, shard)
+        if ledger.is_done(shard, deps):
             skipped += 1
             bar.update(shard_bytes)
             continue
@@ -247,28 +294,30 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             else:
                 x = source.read(t.name)
                 x = x.to(torch.bfloat16) if d.target is Target.BF16 else x
-                amax = _checked_amax(t.name, t.shard, x, nvfp4=False)
+                amax = _checked_amax(t.name, x, source, nvfp4=False)
                 _shard_stats(stats, t.name, amax if x.ndim == 2 else None)
                 tensors[t.name] = x
         write_shard_atomic(tensors, out / shard)
         del tensors
         _release_freed_memory()
-        ledger.mark(shard, stats)
+        ledger.mark(shard, deps, stats)
         written += 1
         bar.update(shard_bytes)
     bar.close()
     source.close()
 
-    notes += _data_notes([ledger.stats.get(s, {}) for s in out_shards])
+    notes += _data_notes([ledger.stats(s) for s in out_shards])
     index = write_index(out, out_shards)
     ignore = sorted({module_of(n) for n, d in decisions.items()
                      if n not in skip and d.target is not Target.NVFP4 and module_of(n)})
-    if _tied(source.config) and "lm_head" not in ignore:
+    if tied and "lm_head" not in ignore:
         ignore.append("lm_head")  # the tied head is the unquantized embedding
     # config.json after the carried files: weights + config without the tokenizer never look
     # like a loadable folder.
     carried = carry_files(src, out, skip=set(_CARRY_SKIP))
     config = json.loads(json.dumps(source.config))
+    if _tied(source.config) and not tied:
+        _set_tie(config, False)
     (config.get("text_config") or {}).pop("quantization_config", None)
     config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
     write_json_atomic(config, out / "config.json")

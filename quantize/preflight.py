@@ -13,8 +13,8 @@ once (a user with a 300 GiB download wants the whole list, not one error per hou
   layers and experts;
 - hostile input: custom code is reported (copied as a file, never executed), links leading
   out of the folder are not carried;
-- output: not inside the source, empty unless resuming, writable, and enough free space for
-  the predicted build.
+- output: not the source or inside it, empty unless resuming a spark-quant build, writable,
+  and enough free space for the predicted build.
 
 Checks that need the weights themselves (NaN / Inf weights, all-zero tensors, absurd amax of
 dense weights) run during conversion, on each tensor as it is read (``quantize.pipeline``).
@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 
 from formats.checkpoint import carry_plan
-from formats.shards import DTYPE_BYTES
+from formats.shards import DTYPE_BYTES, is_temp_name
 from formats.sources import Source, inspect_source
 from quantize import archs
 from quantize.errors import Finding, raise_findings, render_findings
 from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR, NVFP4_GROUP_SIZE
+from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
 from quantize.plan import Decision, plan_tensors
 from quantize.recipe import Recipe, Target
 
@@ -186,24 +187,34 @@ def _existing_ancestor(p: Path) -> Path:
 
 def check_output(out: Path, src: Path, resume: bool, predicted: dict[str, int] | None = None,
                  extra_bytes: int = 0) -> list[Finding]:
-    """Output-folder findings (kind ``output``): inside the source, not empty without
-    ``--resume``, not a folder, not writable, or short of free space for the predicted shards
-    not yet on disk plus ``extra_bytes`` (carried files)."""
+    """Output-folder findings (kind ``output``): the source folder or inside it, not a folder,
+    not empty without ``--resume``, ``--resume`` into a folder that holds no spark-quant
+    build, not writable, or short of free space for the predicted shards not yet on disk plus
+    ``extra_bytes`` (carried files)."""
     out, src = Path(out), Path(src)
     f: list[Finding] = []
 
     def err(msg):
         f.append(Finding("error", "output", msg, key=str(out)))
 
-    if out.absolute().resolve().is_relative_to(src.absolute().resolve()):
-        err(f"output folder {out} is inside the source folder {src}; choose another --out")
+    o, s = out.resolve(), src.resolve()
+    if o == s or o.is_relative_to(s):
+        err(f"--out {out} is the source folder or inside it; choose a folder outside the source")
         return f
     if out.exists() and not out.is_dir():
-        err(f"output path {out} exists and is not a folder")
+        err(f"--out {out} exists and is not a folder")
         return f
-    if out.is_dir() and any(out.iterdir()) and not resume:
-        err(f"output folder {out} is not empty; pass --resume to continue a build or choose "
-            "another --out")
+    entries = list(out.iterdir()) if out.is_dir() else []
+    if entries:
+        ours = (out / PROGRESS_NAME).exists() or (out / MANIFEST_NAME).exists()
+        leftovers = all(is_temp_name(p.name) for p in entries)  # killed before its first rename
+        if not resume:
+            err(f"output folder {out} is not empty; "
+                + ("pass --resume to continue that build" if ours or leftovers
+                   else "choose another --out"))
+        elif not (ours or leftovers):
+            err(f"--resume: {out} holds no spark-quant build (no {PROGRESS_NAME} or "
+                f"{MANIFEST_NAME}); refusing to write into it")
     base = _existing_ancestor(out)
     try:
         with tempfile.TemporaryFile(dir=base):

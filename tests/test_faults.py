@@ -113,7 +113,7 @@ def _index_tensor(src):
 
 def _index_file(src):
     edit_json(src / INDEX_NAME, lambda d: d["weight_map"].update(
-        {"model.norm.weight": "model-00004-of-00003.safetensors"}))
+        {"model.layers.2.mlp.up_proj.weight": "model-00004-of-00003.safetensors"}))
 
 
 def _missing_scale(src):
@@ -153,11 +153,11 @@ def _gptq(src):
 
 
 def _dotdot(src):
-    edit_json(src / INDEX_NAME, lambda d: d["weight_map"].update({"model.norm.weight": "../x.safetensors"}))
+    edit_json(src / INDEX_NAME, lambda d: d["weight_map"].update({"lm_head.weight": "../x.safetensors"}))
 
 
 def _absolute(src):
-    edit_json(src / INDEX_NAME, lambda d: d["weight_map"].update({"model.norm.weight": "/etc/passwd"}))
+    edit_json(src / INDEX_NAME, lambda d: d["weight_map"].update({"lm_head.weight": "/etc/passwd"}))
 
 
 def _link_out(src):
@@ -198,7 +198,7 @@ SOURCE_FAULTS = [
      "model.layers.0.mlp.extra.weight"),
     ("int32 scales", _int_scale,
      f"error: [fp8] scale model.layers.0.self_attn.o_proj.weight_scale_inv in {S1} has dtype I32; "
-     "expected F32 or BF16"),
+     "expected F32, BF16 or F16"),
     ("NaN scale", _nan_scale,
      f"error: [scale] scale model.layers.0.self_attn.o_proj.weight_scale_inv in {S1} has 1 NaN/Inf "
      "value(s) (first at flat index 0); model.layers.0.self_attn.o_proj.weight cannot be "
@@ -263,8 +263,8 @@ def test_inf_in_a_kept_norm_is_refused(tmp_path, tiny_fp8_llama, capsys):
     edit_shard(tiny_fp8_llama / S1, lambda t: t["model.norm.weight"].__setitem__(5, float("inf")))
     rc, err = nvfp4(capsys, tiny_fp8_llama, tmp_path / "out")
     assert (rc, err.splitlines()[0]) == (1, (
-        f"error: tensor model.norm.weight in shard {S1} has 1 NaN/Inf values after "
-        "dequantization; refusing to write a silent NaN"))
+        f"error: tensor model.norm.weight in shard {S1} has 1 NaN/Inf values; refusing to write "
+        "a silent NaN"))
 
 
 def test_absurd_amax_in_dense_weight_is_refused(tmp_path, capsys):
@@ -322,12 +322,16 @@ def test_output_not_empty_or_inside_source(tmp_path, tiny_fp8_llama, capsys):
     (out / "keep.txt").write_text("mine")
     rc, err = nvfp4(capsys, tiny_fp8_llama, out)
     assert (rc, err.splitlines()[1]) == (1, (
-        f"error: [output] output folder {out} is not empty; pass --resume to continue a build or "
-        "choose another --out"))
+        f"error: [output] output folder {out} is not empty; choose another --out"))
+    rc, err = nvfp4(capsys, tiny_fp8_llama, out, "--resume")
+    assert (rc, err.splitlines()[1]) == (1, (
+        f"error: [output] --resume: {out} holds no spark-quant build (no {PROGRESS_NAME} or "
+        f"{MANIFEST_NAME}); refusing to write into it"))
     rc, err = nvfp4(capsys, tiny_fp8_llama, tiny_fp8_llama / "nvfp4")
     assert (rc, err.splitlines()[1]) == (1, (
-        f"error: [output] output folder {tiny_fp8_llama / 'nvfp4'} is inside the source folder "
-        f"{tiny_fp8_llama}; choose another --out"))
+        f"error: [output] --out {tiny_fp8_llama / 'nvfp4'} is the source folder or inside it; "
+        "choose a folder outside the source"))
+    assert (out / "keep.txt").read_text() == "mine" and not (tiny_fp8_llama / "nvfp4").exists()
 
 
 @pytest.fixture
@@ -448,21 +452,32 @@ def test_source_shard_truncated_mid_run_then_resume(tmp_path, tiny_fp8_llama, cl
     assert_same_build(clean, out)
 
 
-def test_corrupt_ledger_and_corrupt_finished_shard(tmp_path, tiny_fp8_llama, clean, capsys):
+def test_ctrl_c_corrupt_ledger_and_damaged_finished_shard(tmp_path, tiny_fp8_llama, clean,
+                                                          monkeypatch, capsys):
     out = tmp_path / "out"
-    shutil.copytree(clean, out)
-    (out / MANIFEST_NAME).unlink()
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    _failing_on_second_shard(monkeypatch, interrupt)
+    rc, err = nvfp4(capsys, tiny_fp8_llama, out)
+    assert (rc, err.splitlines()) == (130, [
+        f"interrupted: 1 output shard(s) are finished in {out}; fix the cause and rerun the same "
+        "command with --resume to continue"])
+    monkeypatch.undo()
+    ledger = (out / PROGRESS_NAME).read_text()
     (out / PROGRESS_NAME).write_text("{not json")
     rc, err = nvfp4(capsys, tiny_fp8_llama, out, "--resume")
     assert (rc, err.splitlines()[0]) == (1, (
-        f"error: the progress ledger {out / PROGRESS_NAME} is unreadable (Expecting property name "
-        "enclosed in double quotes: line 1 column 2 (char 1)); delete it to redo every shard, or "
-        "use a new --out"))
-    (out / PROGRESS_NAME).unlink()
-    data = bytearray((out / S2).read_bytes())
+        f"error: resume ledger {out / PROGRESS_NAME} is corrupt (Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1)); delete it to start this build "
+        "over"))
+    (out / PROGRESS_NAME).write_text(ledger)
+    data = bytearray((out / S1).read_bytes())
     data[-3] ^= 0xFF  # a finished shard damaged on disk is redone, not trusted
-    (out / S2).write_bytes(bytes(data))
-    assert nvfp4(capsys, tiny_fp8_llama, out, "--resume")[0] == 0
+    (out / S1).write_bytes(bytes(data))
+    summary = convert(tiny_fp8_llama, out, progress=False, device="cpu", resume=True)
+    assert (summary.shards_skipped, summary.shards_written) == (0, 3)
     assert_same_build(clean, out)
 
 

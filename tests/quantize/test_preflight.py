@@ -40,9 +40,11 @@ def test_all_findings_of_all_kinds_reported_at_once(tmp_path, tiny_fp8_llama):
         convert(src, out, progress=False)
     lines = str(e.value).splitlines()
     assert lines == [
-        "7 problem(s) in src:",
+        "8 problem(s) in src:",
         "error: [index] index names shard files that are missing or empty: "
         "model-00004-of-00003.safetensors",
+        f"error: [index] model.layers.0.self_attn.k_proj.weight_scale_inv (in {S2}, not listed in "
+        "the index)",
         f"error: [header] shard {S3}: tensor model.layers.1.self_attn.q_proj.weight declares bytes "
         "[12568, 16664) but needs 4096 inside a data section of 16654 bytes (truncated or corrupt)",
         f"error: [fp8] orphan scale ghost.weight_scale_inv in {S1}: no weight ghost.weight",
@@ -53,8 +55,7 @@ def test_all_findings_of_all_kinds_reported_at_once(tmp_path, tiny_fp8_llama):
         "be dequantized",
         "error: [layout] config.json declares num_hidden_layers=3 but the checkpoint has no "
         "tensors for layer(s) 2",
-        f"error: [output] output folder {out} is not empty; pass --resume to continue a build or "
-        "choose another --out"]
+        f"error: [output] output folder {out} is not empty; choose another --out"]
     assert list(out.iterdir()) == [out / "stray"]  # nothing written
 
 
@@ -106,10 +107,10 @@ def test_zero_scale_warning_reaches_the_manifest(tmp_path):
 
 def test_output_inside_source_or_a_file_refused(tmp_path, tiny_fp8_llama):
     assert [f.message for f in check_output(tiny_fp8_llama / "nvfp4", tiny_fp8_llama, False)] == [
-        f"output folder {tiny_fp8_llama / 'nvfp4'} is inside the source folder {tiny_fp8_llama}; "
-        "choose another --out"]
+        f"--out {tiny_fp8_llama / 'nvfp4'} is the source folder or inside it; choose a folder "
+        "outside the source"]
     (tmp_path / "f").write_text("")
-    with pytest.raises(OutputError, match="output path .*/f exists and is not a folder"):
+    with pytest.raises(OutputError, match="--out .*/f exists and is not a folder"):
         convert(tiny_fp8_llama, tmp_path / "f", progress=False)
 
 
