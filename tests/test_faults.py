@@ -65,10 +65,19 @@ def rewrite_header(path, fn):
     path.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
 
 
-def stopped(first: str, done: int, out: Path) -> list[str]:
-    """The two lines a run stopped mid-way prints: the reason, then how to continue."""
-    return [first, f"{done} output shard(s) are finished in {out}; fix the cause and rerun the "
-                   "same command with --resume to continue"]
+def stops_then_resumes(capsys, src: Path, out: Path, clean: Path, first: str, done: int,
+                       fix) -> None:
+    """The run stops with a line starting ``first`` and the resume hint, leaving nothing that
+    looks finished; after ``fix()``, ``--resume`` gives the uninterrupted build, byte for byte."""
+    rc, err = nvfp4(capsys, src, out)
+    lines = err.splitlines()
+    assert rc == 1 and len(lines) == 2 and lines[0].startswith(first), err
+    assert lines[1] == (f"{done} output shard(s) are finished in {out}; fix the cause and rerun "
+                        "the same command with --resume to continue")
+    assert not (out / MANIFEST_NAME).exists() and not (out / INDEX_NAME).exists()
+    fix()
+    assert nvfp4(capsys, src, out, "--resume")[0] == 0
+    assert_same_build(clean, out)
 
 
 def assert_same_build(a: Path, b: Path) -> None:
@@ -247,16 +256,10 @@ def test_nan_weight_mid_run_stops_and_resumes(tmp_path, tiny_fp8_llama, clean, c
     name = "model.layers.1.mlp.up_proj.weight"  # FP8 in shard 2: shard 1 is finished first
     good = (tiny_fp8_llama / S2).read_bytes()
     edit_shard(tiny_fp8_llama / S2, lambda t: t[name].view(torch.uint8)[3, :2].fill_(0x7F))
-    out = tmp_path / "out"
-    rc, err = nvfp4(capsys, tiny_fp8_llama, out)
-    assert rc == 1
-    assert err.splitlines() == stopped(
+    stops_then_resumes(
+        capsys, tiny_fp8_llama, tmp_path / "out", clean,
         f"error: tensor {name} in shard {S2} has 2 NaN/Inf values after dequantization; refusing "
-        "to write a silent NaN", 1, out)
-    assert not (out / MANIFEST_NAME).exists() and not (out / INDEX_NAME).exists()
-    (tiny_fp8_llama / S2).write_bytes(good)
-    assert nvfp4(capsys, tiny_fp8_llama, out, "--resume")[0] == 0
-    assert_same_build(clean, out)
+        "to write a silent NaN", 1, lambda: (tiny_fp8_llama / S2).write_bytes(good))
 
 
 def test_inf_in_a_kept_norm_is_refused(tmp_path, tiny_fp8_llama, capsys):
@@ -406,50 +409,38 @@ def test_disk_full_mid_run_then_resume(tmp_path, tiny_fp8_llama, clean, tmpfs, m
             except OSError:
                 pass
 
+    def fix():
+        assert sorted(os.listdir(fs / "out")) == [PROGRESS_NAME, S1]  # no temp, no partial file
+        monkeypatch.undo()
+        ballast.unlink()
+
     _failing_on_second_shard(monkeypatch, fill)
-    out = fs / "out"
-    rc, err = nvfp4(capsys, tiny_fp8_llama, out)
-    assert rc == 1
-    assert err.splitlines() == stopped(
-        f"error: cannot write shard {S2} in {out}: Error while serializing: I/O error: No space "
-        "left on device (os error 28)", 1, out)
-    assert sorted(os.listdir(out)) == sorted([PROGRESS_NAME, S1])  # no temp, nothing half-written
-    monkeypatch.undo()
-    ballast.unlink()
-    assert nvfp4(capsys, tiny_fp8_llama, out, "--resume")[0] == 0
-    assert_same_build(clean, out)
+    stops_then_resumes(
+        capsys, tiny_fp8_llama, fs / "out", clean,
+        f"error: cannot write shard {S2} in {fs / 'out'}: Error while serializing: I/O error: No "
+        "space left on device (os error 28)", 1, fix)
 
 
 def test_output_turns_read_only_mid_run_then_resume(tmp_path, tiny_fp8_llama, clean, tmpfs,
                                                      monkeypatch, capsys):
     fs = tmpfs("flip", 1 << 20)
     _failing_on_second_shard(monkeypatch, lambda: remount(fs, "ro"))
-    out = fs / "out"
-    rc, err = nvfp4(capsys, tiny_fp8_llama, out)
-    assert rc == 1
-    assert err.splitlines()[0].startswith(
-        f"error: cannot write shard {S2} in {out}: Error while serializing: I/O error: Read-only "
-        "file system (os error 30)")
-    monkeypatch.undo()
-    remount(fs, "rw")
-    assert nvfp4(capsys, tiny_fp8_llama, out, "--resume")[0] == 0
-    assert_same_build(clean, out)
+    stops_then_resumes(
+        capsys, tiny_fp8_llama, fs / "out", clean,
+        f"error: cannot write shard {S2} in {fs / 'out'}: Error while serializing: I/O error: "
+        "Read-only file system (os error 30)", 1,
+        lambda: (monkeypatch.undo(), remount(fs, "rw")))
 
 
 def test_source_shard_truncated_mid_run_then_resume(tmp_path, tiny_fp8_llama, clean, monkeypatch,
                                                     capsys):
     good = (tiny_fp8_llama / S3).read_bytes()
     _failing_on_second_shard(monkeypatch, lambda: os.truncate(tiny_fp8_llama / S3, 5000))
-    out = tmp_path / "out"
-    rc, err = nvfp4(capsys, tiny_fp8_llama, out)
-    assert rc == 1
-    assert err.splitlines() == stopped(
+    stops_then_resumes(
+        capsys, tiny_fp8_llama, tmp_path / "out", clean,
         f"error: shard {S3} changed while it was being read ({len(good)} -> 5000 bytes): truncated "
-        "or replaced during the run; restore it and rerun with --resume", 2, out)
-    monkeypatch.undo()
-    (tiny_fp8_llama / S3).write_bytes(good)
-    assert nvfp4(capsys, tiny_fp8_llama, out, "--resume")[0] == 0
-    assert_same_build(clean, out)
+        "or replaced during the run; restore it and rerun with --resume", 2,
+        lambda: (monkeypatch.undo(), (tiny_fp8_llama / S3).write_bytes(good)))
 
 
 def test_ctrl_c_corrupt_ledger_and_damaged_finished_shard(tmp_path, tiny_fp8_llama, clean,
