@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "module_roles",
            "sensitive_role", "num_routed_experts", "mtp_layer_indices", "text_config",
-           "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS"]
+           "tp_split", "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS"]
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,25 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
         if pattern.search(module):
             return role
     return None
+
+
+# ---- tensor parallelism ----------------------------------------------------------------
+# How engines shard each Linear under TP (vLLM model files): RowParallelLinear splits K,
+# ColumnParallel / MergedColumnParallel split N, ReplicatedLinear splits nothing.
+_ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj|w2|out_proj)$")
+_REPLICATED = re.compile(
+    r"(\.(q_a_proj|kv_a_proj_with_mqa|f_a_proj|g_a_proj|eh_proj)$)"  # DeepSeek MLA / KDA (vllm#56327)
+    r"|(\.indexer\.[^.]+$)"  # DSA indexer runs replicated (vLLM deepseek_v2.py Indexer)
+    r"|(\.(mlp|block_sparse_moe|moe)\.(gate|router)$)")
+
+
+def tp_split(module: str) -> str:
+    """``row`` (K split), ``column`` (N split) or ``replicated`` under tensor parallelism."""
+    if _REPLICATED.search(module) or _VISION.search(module):
+        return "replicated"
+    if _ROW_PARALLEL.search(module):
+        return "row"
+    return "column"
 
 
 # ---- release layouts (fixture builder) --------------------------------------------------
