@@ -108,12 +108,13 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     rules = []
     for i, r in enumerate(data.get("rule", [])):
         try:
-            rules.append(Rule(str(r["match"]), Target(r["target"])))
+            match, target = str(r["match"]), Target(r["target"])
         except KeyError as e:
             raise RecipeError(f"recipe {name_or_path}: rule {i} lacks {e}", key=f"rule[{i}]") from None
         except ValueError:
             raise RecipeError(f"recipe {name_or_path}: rule {i} has unknown target "
                               f"{r.get('target')!r} (valid: {', '.join(t.value for t in Target)})",
                               key=f"rule[{i}].target") from None
+        rules.append(Rule(match, target))
     return Recipe(str(data.get("name", p.stem)), tuple(rules), str(data.get("description", "")),
                   hashlib.sha256(text.encode()).hexdigest())
