@@ -29,6 +29,8 @@ import compressed_tensors
 import torch
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
+from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
+
 __all__ = ["FORMAT_NAME", "NVFP4_ORDER", "emit_nvfp4", "emit_fp8_block", "emit_mxfp8",
            "output_specs", "quantization_config", "extra_files", "QUANTIZED_SUFFIXES",
            "compact_targets"]
@@ -59,29 +61,17 @@ def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
     }
 
 
-def emit_fp8_block(module: str, weight: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``weight`` e4m3 [N, K] + ``weight_scale`` [ceil(N/128), ceil(K/128)] (multiplier)."""
-    return {f"{module}.weight": weight, f"{module}.weight_scale": scale}
-
-
-def emit_mxfp8(module: str, weight: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``weight`` e4m3 [N, K] + ``weight_scale`` uint8 e8m0 [N, K/32]."""
-    return {f"{module}.weight": weight, f"{module}.weight_scale": scale}
-
-
 def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32") -> dict:
-    """Names, safetensors dtypes and shapes :func:`emit_nvfp4` / :func:`emit_fp8_block` /
-    :func:`emit_mxfp8` write for a quantized ``target`` of a weight [N, K]."""
+    """Names, safetensors dtypes and shapes the ``emit_*`` functions write for a quantized
+    ``target`` of a weight [N, K]."""
     n, k = shape
     if target == "nvfp4":
         return {f"{module}.weight_packed": ("U8", (n, k // 2)),
                 f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
                 f"{module}.weight_global_scale": ("F32", (1,))}
-    if target == "fp8-block":
-        return {f"{module}.weight": ("F8_E4M3", (n, k)),
-                f"{module}.weight_scale": (fp8_scale_dtype, (-(-n // 128), -(-k // 128)))}
-    if target == "mxfp8":
-        return {f"{module}.weight": ("F8_E4M3", (n, k)), f"{module}.weight_scale": ("U8", (n, k // 32))}
+    specs = fp8_output_specs(module, target, shape, fp8_scale_dtype)
+    if specs is not None:
+        return specs
     raise ValueError(f"{target!r} is not a quantized target")
 
 

@@ -29,6 +29,8 @@ Converting to compressed-tensors is renaming plus reciprocal scalars
 
 import torch
 
+from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
+
 __all__ = ["FORMAT_NAME", "NVFP4_ORDER", "HF_QUANT_CONFIG", "emit_nvfp4", "emit_fp8_block",
            "emit_mxfp8", "output_specs", "quant_algo_of", "hf_quant_config", "quantization_config",
            "extra_files", "to_compressed_tensors", "from_compressed_tensors"]
@@ -56,28 +58,17 @@ def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
             f"{module}.weight_scale_2": scale_2.to(torch.float32).reshape(())}
 
 
-def emit_fp8_block(module: str, weight: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``weight`` e4m3 [N, K] + ``weight_scale`` [ceil(N/128), ceil(K/128)] (multiplier)."""
-    return {f"{module}.weight": weight, f"{module}.weight_scale": scale}
-
-
-def emit_mxfp8(module: str, weight: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``weight`` e4m3 [N, K] + ``weight_scale`` uint8 e8m0 [N, K/32]."""
-    return {f"{module}.weight": weight, f"{module}.weight_scale": scale}
-
-
 def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32") -> dict:
-    """Names, safetensors dtypes and shapes the ``emit_*`` functions write for ``target``."""
+    """Names, safetensors dtypes and shapes the ``emit_*`` functions write for a quantized
+    ``target`` of a weight [N, K]."""
     n, k = shape
     if target == "nvfp4":
         return {f"{module}.weight": ("U8", (n, k // 2)),
                 f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
                 f"{module}.weight_scale_2": ("F32", ())}
-    if target == "fp8-block":
-        return {f"{module}.weight": ("F8_E4M3", (n, k)),
-                f"{module}.weight_scale": (fp8_scale_dtype, (-(-n // 128), -(-k // 128)))}
-    if target == "mxfp8":
-        return {f"{module}.weight": ("F8_E4M3", (n, k)), f"{module}.weight_scale": ("U8", (n, k // 32))}
+    specs = fp8_output_specs(module, target, shape, fp8_scale_dtype)
+    if specs is not None:
+        return specs
     raise ValueError(f"{target!r} is not a quantized target")
 
 

@@ -1,7 +1,10 @@
 """``convert()``: stream a checkpoint shard by shard from FP8 (or dense) to NVFP4.
 
-Steps: open and validate the source -> decide every tensor -> per source shard, read lazily,
-quantize, write one output shard atomically -> index, config, carried files -> manifest.
+Steps: open and validate the source -> decide every tensor (``quantize.plan``, recipe, TP /
+engine alignment) -> per source shard, read lazily, quantize (NVFP4 in the output format's
+arithmetic order, block FP8 passed through, MXFP8), check the shard against the planned
+layout, write it atomically -> index, config (+ hf_quant_config.json for ModelOpt), carried
+files -> ``quantize check`` -> manifest (only when the check has no error).
 Peak memory is one output shard plus the tensors of one fused group, whatever the model size.
 """
 

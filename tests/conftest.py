@@ -58,6 +58,17 @@ def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], config: dic
     return folder
 
 
+def load_all(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder, found through its index."""
+    from safetensors import safe_open
+
+    out = {}
+    for name, shard in json.loads((Path(folder) / "model.safetensors.index.json").read_text())["weight_map"].items():
+        with safe_open(str(Path(folder) / shard), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
 def fp8_pair(name: str, w: torch.Tensor, block=(128, 128)) -> dict[str, torch.Tensor]:
     """``{name.weight: fp8, name.weight_scale_inv: f32}`` for a float weight."""
     q, s = quantize_fp8_block(w, block)

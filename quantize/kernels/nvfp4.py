@@ -106,6 +106,16 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
+def _blocks(w: torch.Tensor, fn: str) -> torch.Tensor:
+    """``w`` [N, K] viewed as [N, K/16, 16], after checking it is 2-D float32 with K % 16 == 0."""
+    if w.ndim != 2 or w.dtype != torch.float32:
+        raise ValueError(f"{fn} needs a 2-D float32 tensor, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    if k % NVFP4_GROUP_SIZE:
+        raise ValueError(f"K={k} is not a multiple of the NVFP4 group size {NVFP4_GROUP_SIZE}")
+    return w.view(n, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
+
+
 def quantize_nvfp4(
     w: torch.Tensor, global_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,13 +134,9 @@ def quantize_nvfp4(
     Raises:
         ValueError: w is not 2-D float32 or K is not a multiple of 16.
     """
-    if w.ndim != 2 or w.dtype != torch.float32:
-        raise ValueError(f"quantize_nvfp4 needs a 2-D float32 tensor, got {w.dtype} {tuple(w.shape)}")
+    blocks = _blocks(w, "quantize_nvfp4")
     n, k = w.shape
-    if k % NVFP4_GROUP_SIZE:
-        raise ValueError(f"K={k} is not a multiple of the NVFP4 group size {NVFP4_GROUP_SIZE}")
     g = global_scale.to(device=w.device, dtype=torch.float32)
-    blocks = w.view(n, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
     block_amax = blocks.abs().amax(dim=-1)
     # CT order: (amax_b / 6) * global, clamped into the e4m3 range, then cast.
     pre = g * (block_amax / E2M1_MAX)
@@ -164,13 +170,9 @@ def quantize_nvfp4_scale2(
     Raises:
         ValueError: w is not 2-D float32 or K is not a multiple of 16.
     """
-    if w.ndim != 2 or w.dtype != torch.float32:
-        raise ValueError(f"quantize_nvfp4_scale2 needs a 2-D float32 tensor, got {w.dtype} {tuple(w.shape)}")
+    blocks = _blocks(w, "quantize_nvfp4_scale2")
     n, k = w.shape
-    if k % NVFP4_GROUP_SIZE:
-        raise ValueError(f"K={k} is not a multiple of the NVFP4 group size {NVFP4_GROUP_SIZE}")
     s2 = scale_2.to(device=w.device, dtype=torch.float32).reshape(())
-    blocks = w.view(n, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
     pre = blocks.abs().amax(dim=-1) / (E2M1_MAX * s2)
     pre = torch.where(pre == 0, torch.ones_like(pre), pre)
     scale = pre.clamp(min=E4M3_MIN_SUBNORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)

@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 
+from conftest import load_all
+
 from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from formats.sources import open_source
@@ -31,17 +33,6 @@ def builds(glm5_next_src, tmp_path_factory):
             folder = root / f"{fmt}-{preset}"
             out[fmt, preset] = (folder, convert(glm5_next_src, folder, fmt=fmt, recipe=preset,
                                                 progress=False, device="cpu"))
-    return out
-
-
-def load(folder):
-    from safetensors import safe_open
-
-    idx = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
-    out = {}
-    for name, shard in idx.items():
-        with safe_open(str(folder / shard), "pt") as f:
-            out[name] = f.get_tensor(name)
     return out
 
 
@@ -76,7 +67,7 @@ def test_every_source_tensor_accounted_for_and_check_clean(builds, glm5_next_src
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_routers_bias_kda_mhc_untouched_in_spark_mixed(builds, glm5_next_src, fmt):
     folder, _ = builds[fmt, "spark-mixed"]
-    out, src = load(folder), open_source(glm5_next_src)
+    out, src = load_all(folder), open_source(glm5_next_src)
     for layer in (1, 2, 3, 4):
         r = f"{P}.{layer}.mlp.gate"
         assert torch.equal(out[f"{r}.weight"].view(torch.int16), src.read_raw(f"{r}.weight").view(torch.int16))
@@ -105,7 +96,7 @@ def test_every_engine_fusion_group_shares_one_global_scale(builds):
     map; each NVFP4 group has one global scale, and it is 2688 / (max member amax)."""
     for fmt, key in (("compressed-tensors", ".weight_global_scale"), ("modelopt", ".weight_scale_2")):
         folder, _ = builds[fmt, "weight-only"]
-        out = load(folder)
+        out = load_all(folder)
         modules = {n[: -len(key)] for n in out if n.endswith(key)}
         seen, kinds = set(), set()
         for mod in sorted(modules):
@@ -144,7 +135,7 @@ def test_weight_only_gets_the_unconfirmed_vllm_warning_only(builds):
     assert {(f.level, f.rule) for f in summary.findings} == {("warning", "sensitive")}
     assert any("27 kda Linear(s)" in f.message for f in summary.findings)
     # the DSA indexer pair stays high precision: weights_proj is sensitive, wk follows its group
-    out = load(builds["compressed-tensors", "weight-only"][0])
+    out = load_all(builds["compressed-tensors", "weight-only"][0])
     assert out[f"{P}.3.self_attn.indexer.wk.weight"].dtype == torch.bfloat16
     assert f"{P}.3.self_attn.indexer.wq_b.weight_packed" in out
 
@@ -153,7 +144,7 @@ def test_modelopt_and_ct_builds_agree_up_to_ties(builds):
     """Same plan, two formats: block scales identical; packed bytes differ only where the two
     libraries' arithmetic orders round an exact e2m1 tie differently; dequantized values
     differ by one adjacent e2m1 code where they differ (at most 2 units: the 4 -> 6 gap)."""
-    ct, mo = load(builds["compressed-tensors", "spark-mixed"][0]), load(builds["modelopt", "spark-mixed"][0])
+    ct, mo = load_all(builds["compressed-tensors", "spark-mixed"][0]), load_all(builds["modelopt", "spark-mixed"][0])
     total = diff = 0
     for name in [n for n in ct if n.endswith(".weight_packed")]:
         m = name[: -len(".weight_packed")]

@@ -1,12 +1,12 @@
 """Recipes, fused groups, narrow projections under TP, mixed builds, and field cases
-FC-06, FC-07, FC-15, FC-16, FC-18."""
+FC-06, FC-07, FC-15, FC-18 (FC-16 for both formats: tests/quantize/test_pipeline.py)."""
 
 import json
 
 import pytest
 import torch
 
-from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
+from conftest import BLOCK_FP8_QC, fp8_pair, load_all, write_checkpoint
 from formats.checkpoint import INDEX_NAME
 from formats.sources import open_source
 from quantize.check import check_build
@@ -15,16 +15,6 @@ from quantize.kernels.nvfp4 import dequantize_nvfp4
 from quantize.pipeline import convert
 from quantize.plan import plan_tensors, predicted_bytes
 from quantize.recipe import Target, load_recipe, preset_names
-
-
-def load_all(folder):
-    from safetensors import safe_open
-
-    out = {}
-    for name, shard in json.loads((folder / INDEX_NAME).read_text())["weight_map"].items():
-        with safe_open(str(folder / shard), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 def with_amax(shape, amax, seed):
@@ -201,25 +191,6 @@ def test_fc15_router_bf16_listed_in_both_lists(tmp_path, fmt):
         (out / "hf_quant_config.json").write_text(json.dumps(hf))
     errs = [f for f in check_build(out) if f.level == "error"]
     assert [(f.rule, f.tensor) for f in errs] == [("ignore", "model.layers.1.mlp.gate")]
-
-
-def test_fc16_router_structural_in_modelopt_output(tmp_path):
-    """FC-16 for the ModelOpt writer: routers found by output dim stay BF16 bit for bit,
-    ``gate_proj`` weights are packed; "gate" alone never decides."""
-    h = 64
-    t = {"model.layers.1.mlp.gate.weight": torch.randn(8, h).bfloat16(),
-         "model.layers.1.block_sparse_moe.gate.weight": torch.randn(8, h).bfloat16(),
-         "model.layers.1.mlp.experts.0.gate_proj.weight": torch.randn(32, h).bfloat16(),
-         "model.layers.1.mlp.experts.0.up_proj.weight": torch.randn(32, h).bfloat16(),
-         "model.layers.1.mlp.shared_experts.gate_proj.weight": torch.randn(32, h).bfloat16(),
-         "model.layers.1.mlp.shared_experts.up_proj.weight": torch.randn(32, h).bfloat16()}
-    src = write_checkpoint(tmp_path / "s", t, {"n_routed_experts": 8})
-    convert(src, tmp_path / "o", fmt="modelopt", progress=False)
-    o = load_all(tmp_path / "o")
-    for r in ("model.layers.1.mlp.gate", "model.layers.1.block_sparse_moe.gate"):
-        assert torch.equal(o[f"{r}.weight"].view(torch.int16), t[f"{r}.weight"].view(torch.int16))
-    assert o["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.uint8
-    assert o["model.layers.1.mlp.shared_experts.gate_proj.weight"].dtype == torch.uint8
 
 
 def test_narrow_projections_under_tp_kept_and_listed(tmp_path):
