@@ -16,9 +16,11 @@ Two kinds of facts live here, as data rows:
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 
 __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "fused_group_of", "sensitive_role",
-           "num_routed_experts", "mtp_layer_indices"]
+           "num_routed_experts", "mtp_layer_indices", "AttnKind", "AttnLayer", "attention_layers",
+           "decoder_layer_of", "tp_replicated_role"]
 
 
 @dataclass(frozen=True)
@@ -112,4 +114,128 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
         n_exp = num_routed_experts(config)
         if (n_exp is not None and shape[0] == n_exp) or f"{module}.e_score_correction_bias" in siblings:
             return "router"
+    return None
+
+
+# ---- Attention layout and TP sharding (the fit planner, ``quantize.fit``) -------------------
+
+class AttnKind(str, Enum):
+    """How a decoder layer keeps its past: a per-token record (MLA latent, GQA K/V) or a fixed
+    per-sequence state (KDA)."""
+
+    MLA = "mla"
+    GQA = "gqa"
+    KDA = "kda"
+
+
+@dataclass(frozen=True)
+class AttnLayer:
+    """One decoder layer's cache: its kind, whether it runs its own DSA indexer (and so caches
+    indexer keys), and whether it is an MTP / NextN layer."""
+
+    index: int
+    kind: AttnKind
+    indexer: bool = False
+    mtp: bool = False
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LINEAR_ATTN_TYPES = {"linear_attention"}
+
+
+def decoder_layer_of(name: str) -> int | None:
+    """Decoder-layer index of a tensor name (``model.layers.45.mlp...`` -> 45), else None.
+    Vision-tower blocks are not decoder layers (None)."""
+    if _VISION.search(name):
+        return None
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _kda_flags(cfg: dict) -> list[bool]:
+    n = cfg["num_hidden_layers"]
+    if isinstance(cfg.get("layer_types"), list):
+        return [t in _LINEAR_ATTN_TYPES for t in cfg["layer_types"]]
+    lac = cfg.get("linear_attn_config")
+    if isinstance(lac, dict) and isinstance(lac.get("kda_layers"), list):
+        kda = set(lac["kda_layers"])  # 1-indexed [HF kimi_linear configuration]
+        return [i + 1 in kda for i in range(n)]
+    if cfg.get("model_type") in ("glm5_next", "glm5_next_text"):
+        # transformers Glm5NextTextConfig.__post_init__: every fourth layer is MLA + DSA.
+        return [i % 4 != 3 for i in range(n)]
+    return [False] * n
+
+
+def attention_layers(config: dict, mtp_layers: int = 0) -> list[AttnLayer]:
+    """The cache-holding layers of a text config, decoder layers first, then ``mtp_layers``
+    MTP / NextN layers (indices ``num_hidden_layers + k``).
+
+    Rules (config keys only, never shapes):
+
+    - KDA layers: ``layer_types == "linear_attention"`` (glm5_next, qwen3_next convention),
+      or ``linear_attn_config.kda_layers`` (kimi_linear, 1-indexed), or for ``glm5_next``
+      without ``layer_types`` the transformers default (layer i is KDA unless i % 4 == 3).
+    - Every other layer is MLA when the config has ``kv_lora_rank``, else GQA.
+    - A full-attention layer runs its own DSA indexer when the config has ``index_head_dim``
+      and ``indexer_types[i]`` is ``"full"`` (a ``"shared"`` layer reuses the previous
+      layer's top-k and has no indexer, HF ``modeling_glm5_next.py`` ``skip_topk``).
+    - An MTP layer is a full-attention decoder layer (a full DSA decoder layer in GLM-5.3-Flash,
+      with its own indexer when the model has one).
+
+    Raises:
+        ValueError: ``num_hidden_layers`` missing, or ``layer_types`` of the wrong length.
+    """
+    cfg = config.get("text_config") or config
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int):
+        raise ValueError("config has no integer num_hidden_layers")
+    kda = _kda_flags(cfg)
+    if len(kda) != n:
+        raise ValueError(f"config layer_types has {len(kda)} entries, num_hidden_layers is {n}")
+    full = AttnKind.MLA if cfg.get("kv_lora_rank") else AttnKind.GQA
+    has_indexer = bool(cfg.get("index_head_dim"))
+    itypes = cfg.get("indexer_types") if isinstance(cfg.get("indexer_types"), list) else None
+    out = []
+    for i in range(n + mtp_layers):
+        mtp = i >= n
+        if not mtp and kda[i]:
+            out.append(AttnLayer(i, AttnKind.KDA))
+            continue
+        runs_indexer = has_indexer and (mtp or itypes is None or itypes[i] == "full")
+        out.append(AttnLayer(i, full, runs_indexer, mtp))
+    return out
+
+
+# Weights every TP rank holds whole (vLLM): routers (GateLinear / ReplicatedLinear), the MLA
+# ``fused_qkv_a_proj`` (DeepSeekV2FusedQkvAProjLinear, disable_tp), the whole DSA indexer
+# (``wq_b`` ReplicatedLinear, ``wk_weights_proj`` disable_tp, kpool parameters;
+# vllm/models/glm5next/nvidia/attention.py), the KDA ``f_a`` / ``g_a`` shards of
+# ``in_proj_qkvbfg_a`` (replicated_shard_ids (4, 5), vllm/models/glm5next/common/kda.py), mHC
+# mixing parameters, the MTP ``eh_proj`` (nn.Linear), and vision towers (conservative: vLLM
+# can run the encoder data-parallel, ``mm_encoder_tp_mode="data"``). Everything else 2-D or
+# more (experts, shared experts, dense MLP, q_b/kv_b/o_proj, KDA q/k/v/b/f_b/g_b/o/conv,
+# embeddings as VocabParallelEmbedding, lm_head as ParallelLMHead) is split across TP ranks.
+_TP_REPLICATED = (
+    ("mla_a_proj", re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.")),
+    ("indexer", re.compile(r"\.indexer\.")),
+    ("kda_a_proj", re.compile(r"\.(f_a_proj|g_a_proj)\.")),
+    ("mhc", re.compile(r"(^|\.)(attn_hc|ffn_hc|hc_head)\.|\.hc_(attn|ffn|head)_")),
+    ("mtp_eh_proj", re.compile(r"\.eh_proj\.")),
+)
+
+
+def tp_replicated_role(name: str, shape: tuple[int, ...], config: dict,
+                       siblings: set[str] = frozenset()) -> str | None:
+    """Why tensor ``name`` is held whole by every TP rank, or None when it is split across
+    ranks. 0-D / 1-D tensors (norms, biases, scalars, ``e_score_correction_bias``) are
+    replicated; routers are found structurally (``sensitive_role``)."""
+    if len(shape) < 2:
+        return "vector"
+    for role, pat in _TP_REPLICATED:
+        if pat.search(name):
+            return role
+    module = name.rsplit(".", 1)[0]
+    role = sensitive_role(module, shape, config, siblings)
+    if role in ("router", "vision"):
+        return role
     return None

@@ -43,6 +43,21 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from quantize.fit import Reserve, plan_fit
+
+    src, _ = _resolve_src(args.src)
+    report = plan_fit(src, recipe=args.recipe, nodes=args.nodes, tp=args.tp,
+                      mem_util=args.mem_util, node_mem_gib=args.node_mem_gib,
+                      kv_dtype=args.kv_dtype, max_model_len=args.max_model_len, draft=args.draft,
+                      answer_tokens=args.answer_tokens, block_size=args.block_size,
+                      reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib))
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quantize", description="FP8 -> NVFP4 checkpoint builds.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -62,6 +77,31 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--no-showcase", action="store_true",
                    help="with --src demo: skip loading the build and the KL report")
     n.set_defaults(func=_cmd_nvfp4)
+
+    pl = sub.add_parser("plan", help="will a build fit on GB10 nodes, and with how much KV pool "
+                        "(reads headers and config only)")
+    pl.add_argument("--src", required=True, help="FP8/dense source folder (planned through "
+                    "--recipe) or an NVFP4 build folder (taken as stored)")
+    pl.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    pl.add_argument("--nodes", type=int, default=1, choices=[1, 2, 4], help="GB10 nodes")
+    pl.add_argument("--tp", type=int, help="tensor-parallel size (default: --nodes)")
+    pl.add_argument("--mem-util", type=float, default=0.90, help="vLLM gpu_memory_utilization")
+    pl.add_argument("--node-mem-gib", type=float, default=121.7,
+                    help="usable memory per node (GB10: 121.69 GiB as vLLM reports it)")
+    pl.add_argument("--kv-dtype", default="fp8", choices=["bf16", "fp8", "nvfp4"])
+    pl.add_argument("--max-model-len", type=int,
+                    help="longest request in tokens (default: max_position_embeddings)")
+    pl.add_argument("--draft", default="none",
+                    help="none | mtp | external:SIZE[,kv=BYTES_PER_TOKEN] (e.g. external:6GiB)")
+    pl.add_argument("--answer-tokens", type=int, default=2048,
+                    help="tokens generated per session on top of its input")
+    pl.add_argument("--block-size", type=int, default=64, help="KV block in tokens")
+    pl.add_argument("--activation-gib", type=float, default=4.0, help="reserve: activation peak")
+    pl.add_argument("--non-torch-gib", type=float, default=1.0,
+                    help="reserve: NCCL, CUDA context and other non-torch memory")
+    pl.add_argument("--graphs-gib", type=float, default=1.0, help="reserve: CUDA graphs")
+    pl.add_argument("--json", action="store_true", help="print every term as JSON")
+    pl.set_defaults(func=_cmd_plan)
     return p
 
 

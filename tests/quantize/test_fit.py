@@ -1,0 +1,224 @@
+"""The fit planner: seeds' session arithmetic, prediction == converter bytes, memory terms,
+speculation arms, verdict, CLI."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
+from formats.checkpoint import INDEX_NAME
+from formats.shards import read_header
+from quantize.cli import main
+from quantize.fit import GIB, Reserve, parse_draft, parse_size, plan_fit, sessions
+from quantize.pipeline import convert
+
+NO_RESERVE = Reserve(0, 0, 0)
+
+
+# ---- the seeds' arithmetic -------------------------------------------------------------------
+
+@pytest.mark.parametrize("pool, expected", [
+    (520_192, {128_000: 4.0, 256_000: 2.0}),
+    (982_464, {128_000: 7.6, 256_000: 3.8, 512_000: 1.9}),
+    (1_703_232, {128_000: 13.1, 256_000: 6.6, 512_000: 3.3}),
+])
+def test_session_counts_reproduce_the_seeds(pool, expected):
+    got = {n: round(sessions(pool, n, answer_tokens=2048), 1) for n in expected}
+    assert got == expected
+
+
+def test_four_128k_sessions_fill_520192_exactly():
+    assert 4 * (128_000 + 2048) == 520_192 and sessions(520_192, 128_000) == 4.0
+    assert 2 * (256_000 + 2048) == 516_096  # two 256k sessions, 4,096 tokens to spare
+    # a per-sequence state costs tokens: 4 sessions no longer fit
+    assert sessions(520_192, 128_000, state_tokens=100) < 4.0
+
+
+# ---- prediction == what the converter writes -------------------------------------------------
+
+def tiny_glm(folder: Path) -> Path:
+    """A 2-layer GLM-5.3-Flash-shaped block-FP8 checkpoint: layer 0 KDA + dense MLP, layer 1
+    MLA + DSA indexer + 2 routed experts + shared expert, layer 2 the MTP layer (MLA, indexer,
+    MoE, eh_proj, shared_head). Names follow transformers glm5_next."""
+    g = torch.Generator().manual_seed(0)
+    h, inter, moe, vocab = 64, 128, 32, 256
+    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    t = {"model.embed_tokens.weight": r(vocab, h).bfloat16(), "model.norm.weight": torch.ones(h),
+         "lm_head.weight": r(vocab, h).bfloat16()}
+    kda = "model.layers.0.self_attn"
+    for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        t.update(fp8_pair(f"{kda}.{m}", r(h, h)))
+    t.update({f"{kda}.b_proj.weight": r(4, h).bfloat16(),
+              f"{kda}.forget_gate.f_a_proj.weight": r(16, h).bfloat16(),
+              f"{kda}.forget_gate.f_b_proj.weight": r(h, 16).bfloat16(),
+              f"{kda}.g_a_proj.weight": r(16, h).bfloat16(),
+              f"{kda}.g_b_proj.weight": r(h, 16).bfloat16(),
+              f"{kda}.conv1d.weight": r(3 * h, 1, 4), f"{kda}.forget_gate.A_log": r(4),
+              f"{kda}.forget_gate.dt_bias": r(h), f"{kda}.o_norm.weight": torch.ones(16)})
+    for m, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        t.update(fp8_pair(f"model.layers.0.mlp.{m}", r(*shape)))
+    for layer in (1, 2):
+        p = f"model.layers.{layer}"
+        a = f"{p}.self_attn"
+        t.update(fp8_pair(f"{a}.q_a_proj", r(32, h)))
+        t.update(fp8_pair(f"{a}.kv_a_proj_with_mqa", r(32, h)))
+        t.update(fp8_pair(f"{a}.q_b_proj", r(4 * 32, 32)))
+        t.update(fp8_pair(f"{a}.kv_b_proj", r(4 * 32, 32)))
+        t.update(fp8_pair(f"{a}.o_proj", r(h, 4 * 16)))
+        t.update({f"{a}.q_a_layernorm.weight": torch.ones(32),
+                  f"{a}.kv_a_layernorm.weight": torch.ones(32),
+                  f"{a}.indexer.wq_b.weight": r(2 * 16, 32).bfloat16(),
+                  f"{a}.indexer.wk.weight": r(16, h).bfloat16(),
+                  f"{a}.indexer.weights_proj.weight": r(2, h).bfloat16(),
+                  f"{a}.indexer.k_norm.weight": torch.ones(16),
+                  f"{a}.indexer.k_norm.bias": torch.zeros(16),
+                  f"{a}.indexer.index_kpool_compress_ape": r(16, 16),
+                  f"{a}.indexer.index_kpool_compress_gate": r(16, h).bfloat16(),
+                  f"{p}.mlp.gate.weight": r(2, h).bfloat16(),
+                  f"{p}.mlp.gate.e_score_correction_bias": r(2)})
+        for e in ("experts.0", "experts.1", "shared_experts"):
+            for m, shape in (("gate_proj", (moe, h)), ("up_proj", (moe, h)),
+                             ("down_proj", (h, moe))):
+                t.update(fp8_pair(f"{p}.mlp.{e}.{m}", r(*shape)))
+        t[f"{p}.input_layernorm.weight"] = torch.ones(h)
+    t.update({"model.layers.2.eh_proj.weight": r(h, 2 * h).bfloat16(),
+              "model.layers.2.enorm.weight": torch.ones(h),
+              "model.layers.2.hnorm.weight": torch.ones(h),
+              "model.layers.2.shared_head.head.weight": r(vocab, h).bfloat16()})
+    config = {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next",
+              "num_hidden_layers": 2, "num_nextn_predict_layers": 1,
+              "layer_types": ["linear_attention", "indexed_attention"],
+              "hidden_size": h, "vocab_size": vocab, "n_routed_experts": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32,
+              "kv_lora_rank": 32, "qk_rope_head_dim": 0, "qk_nope_head_dim": 16, "v_head_dim": 16,
+              "index_head_dim": 16, "index_n_heads": 2, "index_topk": 32, "index_kpool": 16,
+              "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4,
+              "max_position_embeddings": 4096, "tie_word_embeddings": False,
+              "quantization_config": BLOCK_FP8_QC}
+    return write_checkpoint(folder, t, config, n_shards=2)
+
+
+@pytest.fixture
+def glm_src(tmp_path) -> Path:
+    return tiny_glm(tmp_path / "glm")
+
+
+@pytest.mark.parametrize("which", ["llama", "glm"])
+def test_prediction_equals_converted_bytes(which, tiny_fp8_llama, glm_src, tmp_path):
+    src = tiny_fp8_llama if which == "llama" else glm_src
+    out = tmp_path / "build"
+    convert(src, out, progress=False, device="cpu")
+    index = json.loads((out / INDEX_NAME).read_text())
+    written = sum(i.nbytes for s in set(index["weight_map"].values())
+                  for i in read_header(out / s).values())
+    src_plan = plan_fit(src, nodes=2, draft="mtp" if which == "glm" else "none")
+    assert src_plan.build_bytes == written == index["metadata"]["total_size"]
+    # the build read as stored splits over ranks exactly as predicted from the source
+    build_plan = plan_fit(out, nodes=2, draft="mtp" if which == "glm" else "none")
+    assert build_plan.recipe == "as stored"
+    assert build_plan.build_bytes == written
+    assert [asdict(w) for w in build_plan.weights] == [asdict(w) for w in src_plan.weights]
+    assert build_plan.weights_bytes == src_plan.weights_bytes
+    assert build_plan.draft_bytes == src_plan.draft_bytes
+
+
+# ---- memory terms ----------------------------------------------------------------------------
+
+def test_memory_terms_tiny_llama_tp2(tiny_fp8_llama):
+    """Hand-computed: NVFP4 q [64,64] = 2048 packed + 256 scale + 4 global B, k/v [32,64]
+    1024 + 128 + 4, o like q, gate/up [128,64] and down [64,128] 4096 + 512 + 4 (20,764 B per
+    layer). Packed and block scales split over 2 ranks: 10,368 B per layer; the 14 global scales
+    (4 B) and five 128-B norms replicated; bf16 embedding 32,768 / 2. Tied lm_head: not written."""
+    rep = plan_fit(tiny_fp8_llama, nodes=2, node_mem_gib=0.001, reserve=NO_RESERVE,
+                   kv_dtype="fp8")
+    assert rep.build_bytes == 32_768 + 640 + 2 * 20_764
+    assert {w.what: w.per_rank_bytes for w in rep.weights} == {
+        "replicated: vector": 640 + 14 * 4, "split over TP2": 16_384 + 2 * 10_368}
+    assert rep.weights_bytes == 37_816
+    assert rep.budget_bytes == int(0.001 * GIB * 0.9) == 966_367
+    assert rep.kv_pool_bytes == 966_367 - 37_816
+    assert rep.bytes_per_token == 2 * (2 * 1 * 16)  # 2 layers, K+V, 1 KV head per rank, D 16
+    assert rep.kv_pool_tokens == (928_551 // (64 * 64)) * 64 == 14_464
+    assert rep.margin_bytes == 928_551 - 512 * 64 and rep.fits
+    # two ranks on one node share its memory
+    two_on_one = plan_fit(tiny_fp8_llama, nodes=1, tp=2, node_mem_gib=0.001, reserve=NO_RESERVE)
+    assert two_on_one.budget_bytes == int(0.001 * GIB * 0.9 / 2)
+
+
+def test_reserve_and_verdict(tiny_fp8_llama):
+    rep = plan_fit(tiny_fp8_llama, nodes=1, node_mem_gib=0.001, reserve=NO_RESERVE)
+    # shrink the node until one max-model-len request (512 tokens x 128 B) no longer fits
+    need = rep.weights_bytes + 512 * rep.bytes_per_token
+    just = plan_fit(tiny_fp8_llama, nodes=1, node_mem_gib=need / GIB / 0.9 + 1e-9,
+                    reserve=NO_RESERVE)
+    assert just.fits and 0 <= just.margin_bytes <= 1
+    short = plan_fit(tiny_fp8_llama, nodes=1, node_mem_gib=(need - 64) / GIB / 0.9,
+                     reserve=NO_RESERVE)
+    assert not short.fits and -65 <= short.margin_bytes < 0
+    reserved = plan_fit(tiny_fp8_llama, nodes=1, reserve=Reserve(4.0, 1.0, 1.0))
+    unreserved = plan_fit(tiny_fp8_llama, nodes=1, reserve=NO_RESERVE)
+    assert unreserved.kv_pool_bytes - reserved.kv_pool_bytes == 6 * GIB
+
+
+def test_glm_terms_replication_and_state(glm_src):
+    rep = plan_fit(glm_src, nodes=2, kv_dtype="fp8", reserve=NO_RESERVE)
+    roles = {w.what for w in rep.weights}
+    assert {"replicated: mla_a_proj", "replicated: indexer", "replicated: kda_a_proj",
+            "replicated: router", "replicated: vector", "split over TP2"} <= roles
+    # MTP not loaded without a draft: named in a note, not in the weights
+    assert any("MTP layer" in n for n in rep.notes) and rep.draft_bytes == 0
+    # fp8 MLA latent 32 e4m3 + 1 f32 scale; indexer (16 e4m3 + 4 B scale) per 16 tokens
+    assert rep.bytes_per_token == 36 + 20 / 16
+    # KDA: 4 heads / 2 ranks: conv 3*2*16*3*2 B + f32 state 2*16*16*4 B; tail 2*2*16*16 B
+    assert rep.bytes_per_seq == (576 + 2048) + 1024
+    assert rep.state_tokens == rep.bytes_per_seq / rep.bytes_per_token
+
+
+def test_speculation_arms_order_and_exact_costs(glm_src):
+    """none > mtp > external FP8 > external BF16, the seeds' order, for an external draft
+    (a DFlash-like model with its own KV, 64 B/token per rank here) that costs more than the MTP
+    layer; each arm costs exactly its weights per rank plus its KV."""
+    arms = {a: plan_fit(glm_src, nodes=2, reserve=NO_RESERVE, node_mem_gib=0.01, draft=a)
+            for a in ("none", "mtp", "external:600KB,kv=64", "external:1200KB,kv=64")}
+    none, mtp, fp8, bf16 = arms.values()
+    assert none.kv_pool_tokens > mtp.kv_pool_tokens > fp8.kv_pool_tokens > bf16.kv_pool_tokens
+    assert none.kv_pool_bytes - mtp.kv_pool_bytes == mtp.draft_bytes > 0
+    assert mtp.bytes_per_token - none.bytes_per_token == 36 + 20 / 16  # one MLA + indexer layer
+    assert mtp.bytes_per_seq - none.bytes_per_seq == 1024  # the MTP indexer's in-progress pool
+    assert fp8.kv_pool_bytes - bf16.kv_pool_bytes == 600_000 // 2
+    assert none.kv_pool_bytes - fp8.kv_pool_bytes == fp8.draft_bytes == 300_000
+    assert fp8.bytes_per_token == none.bytes_per_token + 64
+
+
+def test_mtp_draft_needs_an_mtp_layer(tiny_fp8_llama):
+    with pytest.raises(ValueError, match="no MTP layer"):
+        plan_fit(tiny_fp8_llama, draft="mtp")
+
+
+# ---- parsing and CLI -------------------------------------------------------------------------
+
+def test_parse_size_and_draft():
+    assert parse_size("5GiB") == 5 * GIB and parse_size("4.5GB") == 4_500_000_000
+    assert parse_size("3e9") == 3_000_000_000 and parse_size("512") == 512
+    assert parse_size("600KB") == 600_000 and parse_size("2 MiB") == 2 * 2**20
+    d = parse_draft("external:6GiB,kv=20KiB")
+    assert (d.kind, d.size_bytes, d.kv_bytes_per_token) == ("external", 6 * GIB, 20 * 1024)
+    for bad in ("eagle", "external:lots", "external:5GB,kv"):
+        with pytest.raises(ValueError):
+            parse_draft(bad)
+
+
+def test_cli_plan_table_and_json(glm_src, capsys):
+    assert main(["plan", "--src", str(glm_src), "--nodes", "2", "--kv-dtype", "nvfp4",
+                 "--draft", "mtp"]) == 0
+    table = capsys.readouterr().out
+    assert "TP2" in table and "KV pool" in table and "sessions at once" in table
+    assert main(["plan", "--src", str(glm_src), "--nodes", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tp"] == 2 and data["kv_dtype"] == "fp8" and data["fits"] is True
+    # max_position_embeddings 4,096: no session length fits a request
+    assert data["sessions"] == {"128k": None, "256k": None, "512k": None, "1M": None}
+    assert main(["plan", "--src", str(glm_src), "--tp", "3", "--nodes", "2"]) == 1
