@@ -1,6 +1,6 @@
 """Per-architecture knowledge: the only module that holds architecture module names.
 
-Two kinds of facts live here, as data rows:
+Facts live here as data rows:
 
 - Fused groups: Linears that engines run as one GEMM and therefore load with one global
   scale (and must share one precision). vLLM: ``qkv_proj = [q, k, v]``,
@@ -12,6 +12,9 @@ Two kinds of facts live here, as data rows:
 - Sensitive modules kept in high precision whatever the recipe: embeddings, lm_head and the
   MTP ``shared_head.head``, MoE routers (identified structurally, FC-16), the MTP ``eh_proj``
   (vLLM builds it as a plain nn.Linear, formats_spec.md A.3.1), vision towers.
+- For the fit planner: which decoder layers cache what (``attention_layers``: MLA, GQA or KDA,
+  with or without a DSA indexer, from config keys) and which weights every TP rank holds whole
+  (``tp_replicated_role``, vLLM's replicated layers).
 """
 
 import re

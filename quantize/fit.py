@@ -397,7 +397,7 @@ def plan_fit(src: str | Path, *, recipe: str = "weight-only", nodes: int = 2, tp
                  f"mem-util = {need:.1f} GiB; GB10 shows 101-115 GiB free at boot (drop page "
                  "caches first, eval_anchors.md 6.1)")
     return FitReport(
-        source=str(folder), model=str(cfg.get("model_type", config.get("model_type", "?"))),
+        source=str(folder), model=str(config.get("model_type") or cfg.get("model_type", "?")),
         recipe=recipe_label, nodes=nodes, tp=tp, ranks_per_node=ranks_per_node,
         mem_util=mem_util, node_mem_gib=node_mem_gib, kv_dtype=kvd.value, draft=dr.label,
         max_model_len=mml, answer_tokens=answer_tokens, block_size=block_size,
