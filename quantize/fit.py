@@ -262,17 +262,13 @@ def _kib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
-def _text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
 def _is_build(config: dict) -> bool:
-    qc = config.get("quantization_config") or _text_config(config).get("quantization_config") or {}
+    qc = config.get("quantization_config") or archs.text_config(config).get("quantization_config") or {}
     return qc.get("format") == CT_NVFP4_FORMAT or qc.get("quant_method") == "modelopt"
 
 
 def _tied(config: dict) -> bool:
-    return bool(config.get("tie_word_embeddings", _text_config(config).get("tie_word_embeddings", False)))
+    return bool(config.get("tie_word_embeddings", archs.text_config(config).get("tie_word_embeddings", False)))
 
 
 def _stored_tensors(folder: Path, recipe: str, fmt: str
@@ -297,7 +293,7 @@ def _stored_tensors(folder: Path, recipe: str, fmt: str
 def _weight_terms(rows, config: dict, tp: int) -> tuple[list[WeightTerm], WeightTerm | None, int]:
     """Group tensors by how ranks hold them: split over TP, or replicated (by role); MTP
     layers (index >= num_hidden_layers) apart. Returns (terms, MTP term or None, MTP layers)."""
-    n_layers = _text_config(config).get("num_hidden_layers", 1 << 30)
+    n_layers = archs.text_config(config).get("num_hidden_layers", 1 << 30)
     names = {n for n, _, _ in rows}
     buckets: dict[str, list[int]] = {}
     mtp_layers: set[int] = set()
@@ -357,7 +353,7 @@ def plan_fit(src: str | Path, *, recipe: str = "weight-only", nodes: int = 2, tp
     dr = parse_draft(draft)
     folder = Path(src)
     config, rows, recipe_label = _stored_tensors(folder, recipe, fmt)
-    cfg = _text_config(config)
+    cfg = archs.text_config(config)
     ranks_per_node = tp // nodes
     terms, mtp, n_mtp = _weight_terms(rows, config, tp)
     weights = sum(t.per_rank_bytes for t in terms)

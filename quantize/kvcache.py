@@ -46,7 +46,7 @@ dims and the indexer key is one fp8 entry per 16-token pool, so the GLM-5.3-Flas
 from dataclasses import dataclass
 from enum import Enum
 
-from quantize.archs import AttnKind, AttnLayer, attention_layers
+from quantize.archs import AttnKind, AttnLayer, attention_layers, text_config
 from quantize.kernels.dtypes import NVFP4_GROUP_SIZE
 
 __all__ = ["KVDtype", "Record", "mla_record", "gqa_record", "indexer_record", "kda_state",
@@ -206,7 +206,7 @@ def kv_model(config: dict, dtype: KVDtype, tp: int, mtp_layers: int = 0) -> KVMo
     Raises:
         ValueError: missing config keys (named), or shapes that do not fit the dtype / TP.
     """
-    cfg = config.get("text_config") or config
+    cfg = text_config(config)
     layers = attention_layers(config, mtp_layers)
     try:
         terms = _terms(cfg, [x for x in layers if not x.mtp], dtype, tp, "")

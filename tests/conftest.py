@@ -109,3 +109,11 @@ def demo_build(demo_src, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "nvfp4"
     convert(demo_src, out, progress=False, device="cpu")
     return out
+
+
+@pytest.fixture(scope="session")
+def glm5_next_src(tmp_path_factory) -> Path:
+    """Tiny GLM-5.3-Flash (``glm5_next``) FP8 release fixture, built once per session."""
+    from quantize.fixtures import write_release_fixture
+
+    return write_release_fixture(tmp_path_factory.mktemp("glm5_next") / "src", "glm5_next")
