@@ -35,6 +35,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from types import ModuleType
 
@@ -51,6 +52,7 @@ from quantize.plan import Decision, module_of, plan_tensors
 from quantize.recipe import Target, load_recipe
 
 __all__ = ["GIB", "SESSION_INPUTS", "Reserve", "Draft", "parse_draft", "parse_size",
+           "BuildTensors", "build_tensors",
            "predicted_tensors", "sessions", "WeightTerm", "FitReport", "plan_fit"]
 
 GIB = 2**30
@@ -271,56 +273,86 @@ def _tied(config: dict) -> bool:
     return bool(config.get("tie_word_embeddings", archs.text_config(config).get("tie_word_embeddings", False)))
 
 
-def _stored_tensors(folder: Path, recipe: str, fmt: str
-                    ) -> tuple[dict, list[tuple[str, tuple, int]], str]:
-    """(config, [(name, shape, bytes)] of the tensors in the build, recipe label) for a source
-    (predicted through ``recipe`` and the ``fmt`` writer) or a build (as stored)."""
-    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
+@dataclass(frozen=True)
+class BuildTensors:
+    """The tensors of a build, as ``(name, shape, bytes)``: predicted for a source, read for a
+    build folder. ``recipe`` is the recipe name, or ``as stored``."""
+
+    source: str
+    config: dict
+    recipe: str
+    tensors: tuple[tuple[str, tuple[int, ...], int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for _, _, b in self.tensors)
+
+    @cached_property
+    def placement(self) -> tuple[tuple[str | None, int | None, int], ...]:
+        """Per tensor: (why every TP rank holds it whole or None, MTP layer index or None,
+        bytes). MTP layers are those at index >= num_hidden_layers."""
+        n_layers = archs.text_config(self.config).get("num_hidden_layers", 1 << 30)
+        names = {n for n, _, _ in self.tensors}
+        out = []
+        for name, shape, nbytes in self.tensors:
+            layer = archs.decoder_layer_of(name)
+            role = archs.tp_replicated_role(name, tuple(shape), self.config, names)
+            out.append((role, layer if layer is not None and layer >= n_layers else None, nbytes))
+        return tuple(out)
+
+
+def build_tensors(src: str | Path, recipe: str = "weight-only",
+                  fmt: str = "compressed-tensors") -> BuildTensors:
+    """Every tensor a build of ``src`` holds, from headers and config only: an FP8 / dense
+    source folder or header-only descriptor is predicted through ``recipe`` and the ``fmt``
+    writer (``predicted_tensors``); an NVFP4 build folder is read as stored.
+
+    Raises:
+        SourceError, RecipeError: unreadable source or recipe (named).
+    """
+    folder = Path(src)
+    cfg_path = folder / "config.json"
+    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
     if config is not None and _is_build(config):
         infos = read_all_headers(folder, load_index(folder))
-        return config, [(n, i.shape, i.nbytes) for n, i in sorted(infos.items())], "as stored"
+        rows = tuple((n, i.shape, i.nbytes) for n, i in sorted(infos.items()))
+        return BuildTensors(str(folder), config, "as stored", rows)
     source = open_source(folder)
     rec, writer = load_recipe(recipe), get_writer(fmt)
     decisions = plan_tensors(source, rec)
     skip = {"lm_head.weight"} if _tied(source.config) else set()  # pipeline.convert, FC-23
-    rows = [(name, shape, nbytes) for t in source.tensors.values() if t.name not in skip
-            for name, (shape, nbytes) in predicted_tensors(
-                t, decisions[t.name], source.infos[t.name].nbytes, writer).items()]
+    rows = tuple((name, shape, nbytes) for t in source.tensors.values() if t.name not in skip
+                 for name, (shape, nbytes) in predicted_tensors(
+                     t, decisions[t.name], source.infos[t.name].nbytes, writer).items())
     source.close()
-    return source.config, rows, rec.name
+    return BuildTensors(str(folder), source.config, rec.name, rows)
 
 
-def _weight_terms(rows, config: dict, tp: int) -> tuple[list[WeightTerm], WeightTerm | None, int]:
+def _weight_terms(build: BuildTensors, tp: int) -> tuple[list[WeightTerm], WeightTerm | None, int]:
     """Group tensors by how ranks hold them: split over TP, or replicated (by role); MTP
-    layers (index >= num_hidden_layers) apart. Returns (terms, MTP term or None, MTP layers)."""
-    n_layers = archs.text_config(config).get("num_hidden_layers", 1 << 30)
-    names = {n for n, _, _ in rows}
+    layers apart. Returns (terms, MTP term or None, number of MTP layers)."""
     buckets: dict[str, list[int]] = {}
-    mtp_layers: set[int] = set()
-    for name, shape, nbytes in rows:
-        layer = archs.decoder_layer_of(name)
-        role = archs.tp_replicated_role(name, tuple(shape), config, names)
-        if layer is not None and layer >= n_layers:
-            mtp_layers.add(layer)
-            key = "MTP"
-        else:
-            key = f"replicated: {role}" if role else f"split over TP{tp}"
+    for role, mtp_layer, nbytes in build.placement:
+        key = "MTP" if mtp_layer is not None else (f"replicated: {role}" if role else f"split over TP{tp}")
         b = buckets.setdefault(key, [0, 0, 0])
         b[0] += 1
         b[1] += nbytes
         b[2] += nbytes if role else -(-nbytes // tp)
     mtp = buckets.pop("MTP", None)
     terms = [WeightTerm(k, *v) for k, v in sorted(buckets.items())]
-    return terms, (WeightTerm("MTP layer", *mtp) if mtp else None), len(mtp_layers)
+    n_mtp = len({layer for _, layer, _ in build.placement if layer is not None})
+    return terms, (WeightTerm("MTP layer", *mtp) if mtp else None), n_mtp
 
 
-def plan_fit(src: str | Path, *, recipe: str = "weight-only", nodes: int = 2, tp: int | None = None,
+def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nodes: int = 2,
+             tp: int | None = None,
              mem_util: float = 0.90, node_mem_gib: float = 121.7, kv_dtype: str = "fp8",
              max_model_len: int | None = None, draft: str = "none", answer_tokens: int = 2048,
              reserve: Reserve = Reserve(), block_size: int = 64,
              fmt: str = "compressed-tensors") -> FitReport:
-    """Plan a build of ``src`` (an FP8 / dense source folder, planned through ``recipe``, or
-    an NVFP4 build folder, taken as stored) on ``nodes`` GB10 nodes.
+    """Plan a build of ``src`` on ``nodes`` GB10 nodes: a source folder or descriptor
+    (planned through ``recipe`` and ``fmt``), an NVFP4 build folder (as stored), or a
+    ``BuildTensors`` already read (then ``recipe`` and ``fmt`` are not used).
 
     Args:
         nodes: GB10 nodes (121.7 GiB usable each by default: vLLM reports 121.69 GiB total on
@@ -351,15 +383,15 @@ def plan_fit(src: str | Path, *, recipe: str = "weight-only", nodes: int = 2, tp
         raise ValueError("block size must be >= 1 and answer tokens >= 0")
     kvd = KVDtype(kv_dtype)
     dr = parse_draft(draft)
-    folder = Path(src)
-    config, rows, recipe_label = _stored_tensors(folder, recipe, fmt)
+    build = src if isinstance(src, BuildTensors) else build_tensors(src, recipe, fmt)
+    config, name = build.config, Path(build.source).name
     cfg = archs.text_config(config)
     ranks_per_node = tp // nodes
-    terms, mtp, n_mtp = _weight_terms(rows, config, tp)
+    terms, mtp, n_mtp = _weight_terms(build, tp)
     weights = sum(t.per_rank_bytes for t in terms)
     notes = []
     if dr.kind == "mtp" and mtp is None:
-        raise ValueError(f"--draft mtp: {folder.name} has no MTP layer (no tensors under "
+        raise ValueError(f"--draft mtp: {name} has no MTP layer (no tensors under "
                          f"layers.{cfg.get('num_hidden_layers')} or beyond)")
     kv = kv_model(config, kvd, tp, n_mtp if dr.kind == "mtp" else 0)
     draft_bytes = -(-dr.size_bytes // tp) if dr.kind == "external" else 0
@@ -376,7 +408,7 @@ def plan_fit(src: str | Path, *, recipe: str = "weight-only", nodes: int = 2, tp
     bpt = kv.bytes_per_token + dr.kv_bytes_per_token
     per_seq = kv.bytes_per_seq
     if bpt <= 0:
-        raise ValueError(f"{folder.name}: the config describes no per-token KV cache")
+        raise ValueError(f"{name}: the config describes no per-token KV cache")
     pool_tokens = max(0, math.floor(pool / (bpt * block_size)) * block_size)
     state_tokens = per_seq / bpt
     mml = max_model_len or cfg.get("max_position_embeddings")
@@ -393,13 +425,13 @@ def plan_fit(src: str | Path, *, recipe: str = "weight-only", nodes: int = 2, tp
                  f"mem-util = {need:.1f} GiB; GB10 shows 101-115 GiB free at boot (drop page "
                  "caches first, eval_anchors.md 6.1)")
     return FitReport(
-        source=str(folder), model=str(config.get("model_type") or cfg.get("model_type", "?")),
-        recipe=recipe_label, nodes=nodes, tp=tp, ranks_per_node=ranks_per_node,
+        source=build.source, model=str(config.get("model_type") or cfg.get("model_type", "?")),
+        recipe=build.recipe, nodes=nodes, tp=tp, ranks_per_node=ranks_per_node,
         mem_util=mem_util, node_mem_gib=node_mem_gib, kv_dtype=kvd.value, draft=dr.label,
         max_model_len=mml, answer_tokens=answer_tokens, block_size=block_size,
         budget_bytes=budget, weights=terms, weights_bytes=weights,
         reserve=reserve, reserve_bytes=reserve_bytes, draft_bytes=draft_bytes,
         kv_pool_bytes=pool, kv=kv, bytes_per_token=bpt, bytes_per_seq=per_seq,
         kv_pool_tokens=pool_tokens, state_tokens=state_tokens, sessions=sess,
-        fits=margin >= 0, margin_bytes=margin, build_bytes=sum(b for _, _, b in rows),
+        fits=margin >= 0, margin_bytes=margin, build_bytes=build.nbytes,
         notes=notes)

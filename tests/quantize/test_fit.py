@@ -6,13 +6,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
 from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from quantize.cli import main
-from quantize.fit import GIB, Reserve, parse_draft, parse_size, plan_fit, sessions
+from quantize.fit import GIB, Reserve, build_tensors, parse_draft, parse_size, plan_fit, sessions
 from quantize.pipeline import convert
 
 NO_RESERVE = Reserve(0, 0, 0)
@@ -39,85 +37,18 @@ def test_four_128k_sessions_fill_520192_exactly():
 
 # ---- prediction == what the converter writes -------------------------------------------------
 
-def tiny_glm(folder: Path) -> Path:
-    """A 2-layer GLM-5.3-Flash-shaped block-FP8 checkpoint: layer 0 KDA + dense MLP, layer 1
-    MLA + DSA indexer + 2 routed experts + shared expert, layer 2 the MTP layer (MLA, indexer,
-    MoE, eh_proj, shared_head). Names follow transformers glm5_next."""
-    g = torch.Generator().manual_seed(0)
-    h, inter, moe, vocab = 64, 128, 32, 256
-    r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
-    t = {"model.embed_tokens.weight": r(vocab, h).bfloat16(), "model.norm.weight": torch.ones(h),
-         "lm_head.weight": r(vocab, h).bfloat16()}
-    kda = "model.layers.0.self_attn"
-    for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        t.update(fp8_pair(f"{kda}.{m}", r(h, h)))
-    t.update({f"{kda}.b_proj.weight": r(4, h).bfloat16(),
-              f"{kda}.forget_gate.f_a_proj.weight": r(16, h).bfloat16(),
-              f"{kda}.forget_gate.f_b_proj.weight": r(h, 16).bfloat16(),
-              f"{kda}.g_a_proj.weight": r(16, h).bfloat16(),
-              f"{kda}.g_b_proj.weight": r(h, 16).bfloat16(),
-              f"{kda}.conv1d.weight": r(3 * h, 1, 4), f"{kda}.forget_gate.A_log": r(4),
-              f"{kda}.forget_gate.dt_bias": r(h), f"{kda}.o_norm.weight": torch.ones(16)})
-    for m, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-        t.update(fp8_pair(f"model.layers.0.mlp.{m}", r(*shape)))
-    for layer in (1, 2):
-        p = f"model.layers.{layer}"
-        a = f"{p}.self_attn"
-        t.update(fp8_pair(f"{a}.q_a_proj", r(32, h)))
-        t.update(fp8_pair(f"{a}.kv_a_proj_with_mqa", r(32, h)))
-        t.update(fp8_pair(f"{a}.q_b_proj", r(4 * 32, 32)))
-        t.update(fp8_pair(f"{a}.kv_b_proj", r(4 * 32, 32)))
-        t.update(fp8_pair(f"{a}.o_proj", r(h, 4 * 16)))
-        t.update({f"{a}.q_a_layernorm.weight": torch.ones(32),
-                  f"{a}.kv_a_layernorm.weight": torch.ones(32),
-                  f"{a}.indexer.wq_b.weight": r(2 * 16, 32).bfloat16(),
-                  f"{a}.indexer.wk.weight": r(16, h).bfloat16(),
-                  f"{a}.indexer.weights_proj.weight": r(2, h).bfloat16(),
-                  f"{a}.indexer.k_norm.weight": torch.ones(16),
-                  f"{a}.indexer.k_norm.bias": torch.zeros(16),
-                  f"{a}.indexer.index_kpool_compress_ape": r(16, 16),
-                  f"{a}.indexer.index_kpool_compress_gate": r(16, h).bfloat16(),
-                  f"{p}.mlp.gate.weight": r(2, h).bfloat16(),
-                  f"{p}.mlp.gate.e_score_correction_bias": r(2)})
-        for e in ("experts.0", "experts.1", "shared_experts"):
-            for m, shape in (("gate_proj", (moe, h)), ("up_proj", (moe, h)),
-                             ("down_proj", (h, moe))):
-                t.update(fp8_pair(f"{p}.mlp.{e}.{m}", r(*shape)))
-        t[f"{p}.input_layernorm.weight"] = torch.ones(h)
-    t.update({"model.layers.2.eh_proj.weight": r(h, 2 * h).bfloat16(),
-              "model.layers.2.enorm.weight": torch.ones(h),
-              "model.layers.2.hnorm.weight": torch.ones(h),
-              "model.layers.2.shared_head.head.weight": r(vocab, h).bfloat16()})
-    config = {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next",
-              "num_hidden_layers": 2, "num_nextn_predict_layers": 1,
-              "layer_types": ["linear_attention", "indexed_attention"],
-              "hidden_size": h, "vocab_size": vocab, "n_routed_experts": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32,
-              "kv_lora_rank": 32, "qk_rope_head_dim": 0, "qk_nope_head_dim": 16, "v_head_dim": 16,
-              "index_head_dim": 16, "index_n_heads": 2, "index_topk": 32, "index_kpool": 16,
-              "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4,
-              "max_position_embeddings": 4096, "tie_word_embeddings": False,
-              "quantization_config": BLOCK_FP8_QC}
-    return write_checkpoint(folder, t, config, n_shards=2)
-
-
-@pytest.fixture
-def glm_src(tmp_path) -> Path:
-    return tiny_glm(tmp_path / "glm")
-
-
-@pytest.mark.parametrize("which", ["llama", "glm"])
-def test_prediction_equals_converted_bytes(which, tiny_fp8_llama, glm_src, tmp_path):
-    src = tiny_fp8_llama if which == "llama" else glm_src
+@pytest.mark.parametrize("which", ["llama", "glm5_next"])
+def test_prediction_equals_converted_bytes(which, tiny_fp8_llama, glm5_next_src, tmp_path):
+    src = tiny_fp8_llama if which == "llama" else glm5_next_src
     out = tmp_path / "build"
     convert(src, out, progress=False, device="cpu")
     index = json.loads((out / INDEX_NAME).read_text())
     written = sum(i.nbytes for s in set(index["weight_map"].values())
                   for i in read_header(out / s).values())
-    src_plan = plan_fit(src, nodes=2, draft="mtp" if which == "glm" else "none")
+    src_plan = plan_fit(src, nodes=2, draft="mtp" if which == "glm5_next" else "none")
     assert src_plan.build_bytes == written == index["metadata"]["total_size"]
     # the build read as stored splits over ranks exactly as predicted from the source
-    build_plan = plan_fit(out, nodes=2, draft="mtp" if which == "glm" else "none")
+    build_plan = plan_fit(out, nodes=2, draft="mtp" if which == "glm5_next" else "none")
     assert build_plan.recipe == "as stored"
     assert build_plan.build_bytes == written
     assert [asdict(w) for w in build_plan.weights] == [asdict(w) for w in src_plan.weights]
@@ -163,31 +94,35 @@ def test_reserve_and_verdict(tiny_fp8_llama):
     assert unreserved.kv_pool_bytes - reserved.kv_pool_bytes == 6 * GIB
 
 
-def test_glm_terms_replication_and_state(glm_src):
-    rep = plan_fit(glm_src, nodes=2, kv_dtype="fp8", reserve=NO_RESERVE)
+def test_glm_terms_replication_and_state(glm5_next_src):
+    """Tiny GLM-5.3-Flash release fixture: layers 0-2 KDA (4 heads x 32, conv 4), layer 3
+    MLA (kv_lora_rank 32, no RoPE) + indexer (key 32, kpool 16), layer 4 MTP."""
+    rep = plan_fit(glm5_next_src, nodes=2, kv_dtype="fp8", reserve=NO_RESERVE)
     roles = {w.what for w in rep.weights}
     assert {"replicated: mla_a_proj", "replicated: indexer", "replicated: kda_a_proj",
             "replicated: router", "replicated: vector", "split over TP2"} <= roles
     # MTP not loaded without a draft: named in a note, not in the weights
     assert any("MTP layer" in n for n in rep.notes) and rep.draft_bytes == 0
-    # fp8 MLA latent 32 e4m3 + 1 f32 scale; indexer (16 e4m3 + 4 B scale) per 16 tokens
-    assert rep.bytes_per_token == 36 + 20 / 16
-    # KDA: 4 heads / 2 ranks: conv 3*2*16*3*2 B + f32 state 2*16*16*4 B; tail 2*2*16*16 B
-    assert rep.bytes_per_seq == (576 + 2048) + 1024
+    # fp8 MLA latent 32 e4m3 + 1 f32 scale; indexer (32 e4m3 + 4 B scale) per 16 tokens
+    assert rep.bytes_per_token == 36 + 36 / 16
+    # 3 KDA layers, 4 heads / 2 ranks: conv 3*2*32*3*2 B + f32 state 2*32*32*4 B;
+    # indexer in-progress pool: bf16 key + gate, 16 x 32 each
+    assert rep.bytes_per_seq == 3 * (1152 + 8192) + 2 * 2 * 16 * 32
     assert rep.state_tokens == rep.bytes_per_seq / rep.bytes_per_token
 
 
-def test_speculation_arms_order_and_exact_costs(glm_src):
+def test_speculation_arms_order_and_exact_costs(glm5_next_src):
     """none > mtp > external FP8 > external BF16, the seeds' order, for an external draft
     (a DFlash-like model with its own KV, 64 B/token per rank here) that costs more than the MTP
     layer; each arm costs exactly its weights per rank plus its KV."""
-    arms = {a: plan_fit(glm_src, nodes=2, reserve=NO_RESERVE, node_mem_gib=0.01, draft=a)
+    build = build_tensors(glm5_next_src)
+    arms = {a: plan_fit(build, nodes=2, reserve=NO_RESERVE, node_mem_gib=0.01, draft=a)
             for a in ("none", "mtp", "external:600KB,kv=64", "external:1200KB,kv=64")}
     none, mtp, fp8, bf16 = arms.values()
     assert none.kv_pool_tokens > mtp.kv_pool_tokens > fp8.kv_pool_tokens > bf16.kv_pool_tokens
     assert none.kv_pool_bytes - mtp.kv_pool_bytes == mtp.draft_bytes > 0
-    assert mtp.bytes_per_token - none.bytes_per_token == 36 + 20 / 16  # one MLA + indexer layer
-    assert mtp.bytes_per_seq - none.bytes_per_seq == 1024  # the MTP indexer's in-progress pool
+    assert mtp.bytes_per_token - none.bytes_per_token == 36 + 36 / 16  # one MLA + indexer layer
+    assert mtp.bytes_per_seq - none.bytes_per_seq == 2048  # the MTP indexer's in-progress pool
     assert fp8.kv_pool_bytes - bf16.kv_pool_bytes == 600_000 // 2
     assert none.kv_pool_bytes - fp8.kv_pool_bytes == fp8.draft_bytes == 300_000
     assert fp8.bytes_per_token == none.bytes_per_token + 64
@@ -211,14 +146,46 @@ def test_parse_size_and_draft():
             parse_draft(bad)
 
 
-def test_cli_plan_table_and_json(glm_src, capsys):
-    assert main(["plan", "--src", str(glm_src), "--nodes", "2", "--kv-dtype", "nvfp4",
+def test_cli_plan_table_and_json(glm5_next_src, capsys):
+    assert main(["plan", "--src", str(glm5_next_src), "--nodes", "2", "--kv-dtype", "nvfp4",
                  "--draft", "mtp"]) == 0
     table = capsys.readouterr().out
     assert "TP2" in table and "KV pool" in table and "sessions at once" in table
-    assert main(["plan", "--src", str(glm_src), "--nodes", "2", "--json"]) == 0
+    assert main(["plan", "--src", str(glm5_next_src), "--nodes", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["tp"] == 2 and data["kv_dtype"] == "fp8" and data["fits"] is True
-    # max_position_embeddings 4,096: no session length fits a request
+    # max_position_embeddings 512: no session length fits a request
     assert data["sessions"] == {"128k": None, "256k": None, "512k": None, "1M": None}
-    assert main(["plan", "--src", str(glm_src), "--tp", "3", "--nodes", "2"]) == 1
+    assert main(["plan", "--src", str(glm5_next_src), "--tp", "3", "--nodes", "2"]) == 1
+
+
+# ---- full-size GLM-5.3-Flash descriptor ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def glm53_full(tmp_path_factory):
+    """The full-size GLM-5.3-Flash FP8 release as a header-only descriptor, planned through
+    weight-only once (~30 s on 2 cores)."""
+    from quantize.fixtures import write_release_descriptor
+
+    path = write_release_descriptor(tmp_path_factory.mktemp("full") / "glm53.descriptor.json",
+                                    "glm5_next", "full")
+    return build_tensors(path, "weight-only")
+
+
+def test_full_size_glm53_arms_and_nodes(glm53_full):
+    """The seeds' order of the four speculation arms on two nodes, with an external draft shaped
+    like the GLM DSpark/DFlash speculators (5 decoder layers at hidden 4096, ~1.05 B params:
+    1.05 GB in FP8, 2.1 GB in BF16; 8 KV heads x 128 in bf16 = 20,480 B/token, 10,240 per rank
+    at TP2)."""
+    arms = {a: plan_fit(glm53_full, nodes=2, draft=a)
+            for a in ("none", "mtp", "external:1.05GB,kv=10240", "external:2.1GB,kv=10240")}
+    none, mtp, fp8, bf16 = arms.values()
+    assert none.kv_pool_tokens > mtp.kv_pool_tokens > fp8.kv_pool_tokens > bf16.kv_pool_tokens
+    assert all(r.fits for r in arms.values())
+    # the MTP layer (a full MLA + MoE decoder layer, NVFP4 in weight-only) is loaded only for mtp
+    assert none.draft_bytes == 0 and mtp.draft_bytes > 2 * GIB
+    # weight-only NVFP4 GLM-5.3-Flash does not fit one GB10 node; two nodes leave a KV pool
+    one = plan_fit(glm53_full, nodes=1)
+    assert not one.fits and one.kv_pool_tokens == 0 and one.weights_bytes > one.budget_bytes
+    assert none.weights_bytes < one.weights_bytes / 2 + 2 * GIB  # replicated part is small
+    assert none.sessions["128k"] > 10 and none.max_model_len == 1_048_576
