@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-model-len", type=int,
                     help="longest request in tokens (default: max_position_embeddings)")
     pl.add_argument("--draft", default="none",
-                    help="none | mtp | external:SIZE[,kv=BYTES_PER_TOKEN] (e.g. external:6GiB)")
+                    help="none | mtp | external:SIZE[,kv=BYTES] with SIZE the draft's weights "
+                    "(split over TP) and BYTES its KV per token per rank (e.g. external:2GB,kv=10KiB)")
     pl.add_argument("--answer-tokens", type=int, default=2048,
                     help="tokens generated per session on top of its input")
     pl.add_argument("--block-size", type=int, default=64, help="KV block in tokens")

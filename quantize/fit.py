@@ -265,8 +265,12 @@ def _kib(nbytes: float) -> str:
 
 
 def _is_build(config: dict) -> bool:
+    """An NVFP4 build (read as stored), not a source: ModelOpt, or compressed-tensors whose
+    format (top level or any config group) is NVFP4 or mixed."""
     qc = config.get("quantization_config") or archs.text_config(config).get("quantization_config") or {}
-    return qc.get("format") == CT_NVFP4_FORMAT or qc.get("quant_method") == "modelopt"
+    groups = qc.get("config_groups") or {}
+    fmts = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+    return qc.get("quant_method") == "modelopt" or bool(fmts & {CT_NVFP4_FORMAT, "mixed-precision"})
 
 
 def _tied(config: dict) -> bool:
@@ -420,6 +424,10 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
     sess = {k: (round(sessions(pool_tokens, n, answer_tokens, state_tokens), 3)
                 if n + answer_tokens <= mml else None) for k, n in SESSION_INPUTS.items()}
     margin = int(pool - (mml * bpt + per_seq))
+    if kvd is KVDtype.NVFP4:
+        notes.append("nvfp4 KV: the MLA record is derived (no engine publishes one), and vLLM's "
+                     "NVFP4 KV for SM12x (GB10) was not merged in the snapshots examined "
+                     "(eval_anchors.md 4.4)")
     need = node_mem_gib * mem_util
     notes.append(f"vLLM refuses to start if free memory at launch is below node memory × "
                  f"mem-util = {need:.1f} GiB; GB10 shows 101-115 GiB free at boot (drop page "

@@ -28,6 +28,7 @@ per-sequence state: 2 · 2 · kpool · index_head_dim B per indexer layer.
 
 GQA / MHA: ``2 · H_kv · D · b`` with b = 2 (bf16) or 1 (fp8), and ``2 · H_kv · (D/2 + D/16)``
 for nvfp4 (eval_anchors.md 6.2, 4.5). KV heads are split across TP ranks (never below one).
+Sliding-window layers are counted as full attention (an upper bound).
 
 KDA: no per-token record. Each sequence holds, per layer and rank, three bf16 short-conv
 windows ``3 · (H/tp · D) · (kernel − 1)`` and an f32 recurrent state ``(H/tp) · D · D``
