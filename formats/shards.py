@@ -14,12 +14,21 @@ from safetensors.torch import save_file
 from quantize.errors import OutputError, SourceError
 
 __all__ = ["TensorInfo", "read_header", "ShardReader", "write_shard_atomic", "sha256_file",
-           "DTYPE_BYTES"]
+           "DTYPE_BYTES", "dtype_name"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
                "U32": 4, "U64": 8}
+_TORCH_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+                torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 MAX_HEADER_BYTES = 100_000_000  # same bound safetensors itself enforces
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors header dtype string of a torch dtype (``torch.float8_e4m3fn`` -> ``F8_E4M3``)."""
+    return _TORCH_NAMES[dtype]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from enum import Enum
 
 __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "module_roles",
            "sensitive_role", "num_routed_experts", "mtp_layer_indices", "text_config",
-           "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS",
+           "tp_split", "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS",
            "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role"]
 
 
@@ -196,6 +196,25 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+# ---- tensor parallelism ----------------------------------------------------------------
+# How engines shard each Linear under TP (vLLM model files): RowParallelLinear splits K,
+# ColumnParallel / MergedColumnParallel split N, ReplicatedLinear splits nothing.
+_ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj|w2|out_proj)$")
+_REPLICATED = re.compile(
+    r"(\.(q_a_proj|kv_a_proj_with_mqa|f_a_proj|g_a_proj|eh_proj)$)"  # DeepSeek MLA / KDA (vllm#56327)
+    r"|(\.indexer\.[^.]+$)"  # DSA indexer runs replicated (vLLM deepseek_v2.py Indexer)
+    r"|(\.(mlp|block_sparse_moe|moe)\.(gate|router)$)")
+
+
+def tp_split(module: str) -> str:
+    """``row`` (K split), ``column`` (N split) or ``replicated`` under tensor parallelism."""
+    if _REPLICATED.search(module) or _VISION.search(module):
+        return "replicated"
+    if _ROW_PARALLEL.search(module):
+        return "row"
+    return "column"
+
+
 # ---- release layouts (fixture builder) --------------------------------------------------
 @dataclass(frozen=True)
 class ReleaseLayout:
@@ -349,36 +368,37 @@ def attention_layers(config: dict, mtp_layers: int = 0) -> list[AttnLayer]:
     return out
 
 
-# Weights every TP rank holds whole (vLLM): routers (GateLinear / ReplicatedLinear), the MLA
-# ``fused_qkv_a_proj`` (DeepSeekV2FusedQkvAProjLinear, disable_tp), the whole DSA indexer
-# (``wq_b`` ReplicatedLinear, ``wk_weights_proj`` disable_tp, kpool parameters;
-# vllm/models/glm5next/nvidia/attention.py), the KDA ``f_a`` / ``g_a`` shards of
-# ``in_proj_qkvbfg_a`` (replicated_shard_ids (4, 5), vllm/models/glm5next/common/kda.py), mHC
-# mixing parameters, the MTP ``eh_proj`` (nn.Linear), and vision towers (conservative: vLLM
-# can run the encoder data-parallel, ``mm_encoder_tp_mode="data"``). Everything else 2-D or
-# more (experts, shared experts, dense MLP, q_b/kv_b/o_proj, KDA q/k/v/b/f_b/g_b/o/conv,
-# embeddings as VocabParallelEmbedding, lm_head as ParallelLMHead) is split across TP ranks.
-_TP_REPLICATED = (
-    ("mla_a_proj", re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.")),
-    ("indexer", re.compile(r"\.indexer\.")),
-    ("kda_a_proj", re.compile(r"\.(f_a_proj|g_a_proj)\.")),
-    ("mhc", re.compile(r"(^|\.)(attn_hc|ffn_hc|hc_head)\.|\.hc_(attn|ffn|head)_")),
-    ("mtp_eh_proj", re.compile(r"\.eh_proj\.")),
+# Names for what every TP rank holds whole (the decision is ``tp_split``): routers, the MLA
+# ``fused_qkv_a_proj`` (DeepSeekV2FusedQkvAProjLinear, disable_tp), the DSA indexer (``wq_b``
+# ReplicatedLinear, ``wk_weights_proj`` disable_tp, kpool parameters; vllm/models/glm5next/
+# nvidia/attention.py), the KDA ``f_a`` / ``g_a`` shards of ``in_proj_qkvbfg_a``
+# (replicated_shard_ids (4, 5), vllm/models/glm5next/common/kda.py), the MTP ``eh_proj``
+# (nn.Linear), vision towers (conservative: vLLM can run the encoder data-parallel,
+# ``mm_encoder_tp_mode="data"``). mHC mixing parameters (``hc_attn_fn`` ...) are plain
+# full-size parameters on every rank (vllm/models/glm5next/nvidia/model.py).
+_REPLICA_LABELS = (
+    ("indexer", re.compile(r"\.indexer(\.|$)")),
+    ("mla_a_proj", re.compile(r"\.(q_a_proj|kv_a_proj_with_mqa)$")),
+    ("kda_a_proj", re.compile(r"\.(f_a_proj|g_a_proj)$")),
+    ("mtp_eh_proj", _EH_PROJ),
+    ("router", _ROUTER),
+    ("vision", _VISION),
 )
+_MHC_PARAM = re.compile(r"(^|\.)(attn_hc|ffn_hc|hc_head)\.|\.hc_(attn|ffn|head)_")
 
 
-def tp_replicated_role(name: str, shape: tuple[int, ...], config: dict,
-                       siblings: set[str] = frozenset()) -> str | None:
-    """Why tensor ``name`` is held whole by every TP rank, or None when it is split across
-    ranks. 0-D / 1-D tensors (norms, biases, scalars, ``e_score_correction_bias``) are
-    replicated; routers are found structurally (``sensitive_role``)."""
+def tp_replicated_role(name: str, shape: tuple[int, ...]) -> str | None:
+    """Why tensor ``name`` (a weight, or an output tensor such as ``x.weight_packed``) is held
+    whole by every TP rank, or None when ``tp_split`` splits it across ranks. 0-D / 1-D
+    tensors (norms, biases, scalars, global scales, ``e_score_correction_bias``) and mHC
+    parameters are replicated; indexer parameters without a Linear (kpool) too."""
     if len(shape) < 2:
         return "vector"
-    for role, pat in _TP_REPLICATED:
-        if pat.search(name):
-            return role
+    if _MHC_PARAM.search(name):
+        return "mhc"
     module = name.rsplit(".", 1)[0]
-    role = sensitive_role(module, shape, config, siblings)
-    if role in ("router", "vision"):
-        return role
-    return None
+    if module.endswith(".indexer"):
+        return "indexer"
+    if tp_split(module) != "replicated":
+        return None
+    return next((label for label, pat in _REPLICA_LABELS if pat.search(module)), "replicated")

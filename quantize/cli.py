@@ -34,7 +34,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(f"{src.name}-NVFP4")
     summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
                       device=args.device, resume=args.resume, progress=not args.quiet,
-                      source_info=info)
+                      source_info=info, tp=args.tp, engine=args.engine)
     print(summary.render())
     if args.src == "demo" and not args.no_showcase:
         from eval.showcase import showcase
@@ -53,9 +53,32 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       mem_util=args.mem_util, node_mem_gib=args.node_mem_gib,
                       kv_dtype=args.kv_dtype, max_model_len=args.max_model_len, draft=args.draft,
                       answer_tokens=args.answer_tokens, block_size=args.block_size,
-                      reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib))
+                      reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib),
+                      fmt=args.format, engine=args.engine)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     return 0
+
+
+def _cmd_recipe_show(args: argparse.Namespace) -> int:
+    from formats.sources import open_source
+    from quantize.plan import explain
+    from quantize.recipe import load_recipe
+
+    src, _ = _resolve_src(args.src) if args.src == "demo" else (Path(args.src), {})
+    print(explain(open_source(src), load_recipe(args.recipe), args.format, tp=args.tp,
+                  engine=args.engine, summary_only=args.summary))
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from quantize.check import check_build
+
+    findings = check_build(args.build, engine=args.engine, tp=args.tp)
+    for f in findings:
+        print(f.render())
+    errors = sum(f.level == "error" for f in findings)
+    print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {args.engine} TP={args.tp}")
+    return 1 if errors else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,9 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--out", help="output folder (default: ./<src name>-NVFP4)")
     n.add_argument("--scheme", default="w4a16", choices=["w4a16"],
                    help="w4a16: weight-only NVFP4 (no calibration data)")
-    n.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors"],
-                   help="output layout (nvfp4-pack-quantized for vLLM / SGLang / transformers)")
-    n.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    n.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],
+                   help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
+                        "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
+    n.add_argument("--recipe", default="weight-only",
+                   help="preset (weight-only, spark-mixed, experts-only) or TOML file")
+    n.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size to serve with: tensors whose per-shard shape breaks "
+                        "the engine's alignment rules stay high precision (listed)")
+    n.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+                   help="engine whose load rules the plan and the final check apply")
     n.add_argument("--device", default="auto", help="cpu, cuda or auto")
     n.add_argument("--resume", action="store_true",
                    help="continue an interrupted build in --out; finished shards are kept")
@@ -83,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--src", required=True, help="FP8/dense source folder (planned through "
                     "--recipe) or an NVFP4 build folder (taken as stored)")
     pl.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    pl.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
+    pl.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+                    help="whose per-TP alignment rules the recipe is planned under")
     pl.add_argument("--nodes", type=int, default=1, choices=[1, 2, 4], help="GB10 nodes")
     pl.add_argument("--tp", type=int, help="tensor-parallel size (default: --nodes)")
     pl.add_argument("--mem-util", type=float, default=0.90, help="vLLM gpu_memory_utilization")
@@ -103,6 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--graphs-gib", type=float, default=1.0, help="reserve: CUDA graphs")
     pl.add_argument("--json", action="store_true", help="print every term as JSON")
     pl.set_defaults(func=_cmd_plan)
+
+    r = sub.add_parser("recipe", help="inspect recipes").add_subparsers(dest="recipe_cmd", required=True)
+    rs = r.add_parser("show", help="what each tensor becomes, and the resulting size (headers only)")
+    rs.add_argument("--src", required=True, help="source folder, descriptor .json, or 'demo'")
+    rs.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    rs.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
+    rs.add_argument("--tp", type=int, default=1)
+    rs.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    rs.add_argument("--summary", action="store_true", help="only the totals")
+    rs.set_defaults(func=_cmd_recipe_show)
+
+    c = sub.add_parser("check", help="will an engine load this build? (headers, configs, scales)")
+    c.add_argument("build", help="build folder")
+    c.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    c.add_argument("--tp", type=int, default=1)
+    c.set_defaults(func=_cmd_check)
     return p
 
 

@@ -24,3 +24,7 @@ class RecipeError(SparkQuantError, ValueError):
 
 class OutputError(SparkQuantError, OSError):
     """The output folder cannot be written (or resumed) safely."""
+
+
+class CheckFailed(SparkQuantError, ValueError):
+    """``quantize check`` found errors in a build (each finding names its tensor and rule)."""

@@ -25,10 +25,9 @@ mem-util 0.80 (3.4 GiB left) and runs at 0.90 (15.5 GiB left), so its reserve li
 (eval_anchors.md 6.2); vLLM's own log for a 7B model shows activation 9.4 GiB at long
 batched-token counts, so raise ``--reserve-gib`` for large ``max_num_batched_tokens``.
 
-Output tensors: ``predicted_tensors`` below mirrors what ``pipeline.convert`` writes for each
-target of ``plan.plan_tensors`` (the converter's own decisions), naming NVFP4 tensors through
-the output writer itself; the tests hold the prediction equal to the converted build, byte for
-byte and tensor for tensor.
+Output tensors come from the converter's own ``plan.plan_tensors`` and ``plan.predict_outputs``
+(names, dtypes and shapes from the output writer); the tests hold the prediction equal to the
+converted build, byte for byte and tensor for tensor.
 """
 
 import json
@@ -37,23 +36,19 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from types import ModuleType
 
-import torch
-
-from formats import get_writer
 from formats.checkpoint import load_index, read_all_headers
 from formats.compressed_tensors import FORMAT_NAME as CT_NVFP4_FORMAT
-from formats.sources import LogicalTensor, open_source
+from formats.shards import TensorInfo
+from formats.sources import open_source
 from quantize import archs
 from quantize.kvcache import KVDtype, KVModel, kv_model
-from quantize.kernels.dtypes import NVFP4_GROUP_SIZE
-from quantize.plan import Decision, module_of, plan_tensors
-from quantize.recipe import Target, load_recipe
+from quantize.manifest import MANIFEST_NAME
+from quantize.plan import plan_tensors, predict_outputs
+from quantize.recipe import load_recipe
 
 __all__ = ["GIB", "SESSION_INPUTS", "Reserve", "Draft", "parse_draft", "parse_size",
-           "BuildTensors", "build_tensors",
-           "predicted_tensors", "sessions", "WeightTerm", "FitReport", "plan_fit"]
+           "BuildTensors", "build_tensors", "sessions", "WeightTerm", "FitReport", "plan_fit"]
 
 GIB = 2**30
 SESSION_INPUTS = {"128k": 128_000, "256k": 256_000, "512k": 512_000, "1M": 1_000_000}
@@ -130,28 +125,6 @@ def parse_draft(text: str) -> Draft:
             kv_bytes = parse_size(kv[3:])
         return Draft("external", parse_size(size), kv_bytes)
     raise ValueError(f"--draft {text!r}: use none, mtp, external:SIZE or external:SIZE,kv=BYTES")
-
-
-def predicted_tensors(t: LogicalTensor, d: Decision, stored_nbytes: int,
-                      writer: ModuleType) -> dict[str, tuple[tuple[int, ...], int]]:
-    """The tensors ``pipeline.convert`` writes for logical tensor ``t`` decided ``d``, as
-    ``{name: (shape, bytes)}``.
-
-    nvfp4: the writer's own ``emit_nvfp4`` run on meta tensors (packed u8 [N, K/2], e4m3
-    block scale [N, K/16], f32 global scale), so names, shapes and dtypes are the writer's;
-    bf16: 2 B per element; keep: ``stored_nbytes`` unchanged.
-    """
-    if d.target is Target.NVFP4:
-        n, k = t.shape
-        meta = dict(device="meta")
-        out = writer.emit_nvfp4(module_of(t.name),
-                                torch.empty(n, k // 2, dtype=torch.uint8, **meta),
-                                torch.empty(n, k // NVFP4_GROUP_SIZE, dtype=torch.float8_e4m3fn, **meta),
-                                torch.empty(1, dtype=torch.float32, **meta))
-        return {name: (tuple(x.shape), x.numel() * x.element_size()) for name, x in out.items()}
-    if d.target is Target.BF16:
-        return {t.name: (t.shape, 2 * t.numel)}
-    return {t.name: (t.shape, stored_nbytes)}
 
 
 def sessions(pool_tokens: int, input_tokens: int, answer_tokens: int = 2048,
@@ -264,17 +237,14 @@ def _kib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
-def _is_build(config: dict) -> bool:
-    """An NVFP4 build (read as stored), not a source: ModelOpt, or compressed-tensors whose
-    format (top level or any config group) is NVFP4 or mixed."""
+def _is_build(folder: Path, config: dict) -> bool:
+    """An NVFP4 build (read as stored), not a source: ours (manifest), ModelOpt, or
+    compressed-tensors whose format (top level or any config group) is NVFP4 or mixed."""
     qc = config.get("quantization_config") or archs.text_config(config).get("quantization_config") or {}
     groups = qc.get("config_groups") or {}
     fmts = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
-    return qc.get("quant_method") == "modelopt" or bool(fmts & {CT_NVFP4_FORMAT, "mixed-precision"})
-
-
-def _tied(config: dict) -> bool:
-    return bool(config.get("tie_word_embeddings", archs.text_config(config).get("tie_word_embeddings", False)))
+    return ((folder / MANIFEST_NAME).is_file() or qc.get("quant_method") == "modelopt"
+            or bool(fmts & {CT_NVFP4_FORMAT, "mixed-precision"}))
 
 
 @dataclass(frozen=True)
@@ -296,20 +266,21 @@ class BuildTensors:
         """Per tensor: (why every TP rank holds it whole or None, MTP layer index or None,
         bytes). MTP layers are those at index >= num_hidden_layers."""
         n_layers = archs.text_config(self.config).get("num_hidden_layers", 1 << 30)
-        names = {n for n, _, _ in self.tensors}
         out = []
         for name, shape, nbytes in self.tensors:
             layer = archs.decoder_layer_of(name)
-            role = archs.tp_replicated_role(name, tuple(shape), self.config, names)
+            role = archs.tp_replicated_role(name, tuple(shape))
             out.append((role, layer if layer is not None and layer >= n_layers else None, nbytes))
         return tuple(out)
 
 
-def build_tensors(src: str | Path, recipe: str = "weight-only",
-                  fmt: str = "compressed-tensors") -> BuildTensors:
+def build_tensors(src: str | Path, recipe: str = "weight-only", fmt: str = "compressed-tensors",
+                  tp: int = 1, engine: str = "vllm") -> BuildTensors:
     """Every tensor a build of ``src`` holds, from headers and config only: an FP8 / dense
-    source folder or header-only descriptor is predicted through ``recipe`` and the ``fmt``
-    writer (``predicted_tensors``); an NVFP4 build folder is read as stored.
+    source folder or header-only descriptor is predicted with the converter's own functions
+    (``plan.plan_tensors`` for ``tp`` / ``engine``, then ``plan.predict_outputs`` through the
+    ``fmt`` writer; tied heads dropped as the converter drops them); an NVFP4 build folder is
+    read as stored.
 
     Raises:
         SourceError, RecipeError: unreadable source or recipe (named).
@@ -317,17 +288,15 @@ def build_tensors(src: str | Path, recipe: str = "weight-only",
     folder = Path(src)
     cfg_path = folder / "config.json"
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
-    if config is not None and _is_build(config):
+    if config is not None and _is_build(folder, config):
         infos = read_all_headers(folder, load_index(folder))
         rows = tuple((n, i.shape, i.nbytes) for n, i in sorted(infos.items()))
         return BuildTensors(str(folder), config, "as stored", rows)
     source = open_source(folder)
-    rec, writer = load_recipe(recipe), get_writer(fmt)
-    decisions = plan_tensors(source, rec)
-    skip = {"lm_head.weight"} if _tied(source.config) else set()  # pipeline.convert, FC-23
-    rows = tuple((name, shape, nbytes) for t in source.tensors.values() if t.name not in skip
-                 for name, (shape, nbytes) in predicted_tensors(
-                     t, decisions[t.name], source.infos[t.name].nbytes, writer).items())
+    rec = load_recipe(recipe)
+    outputs = predict_outputs(source, plan_tensors(source, rec, tp=tp, engine=engine), fmt)
+    rows = tuple((n, tuple(shape), TensorInfo(n, "", dtype, tuple(shape)).nbytes)
+                 for per_tensor in outputs.values() for n, (dtype, shape) in per_tensor.items())
     source.close()
     return BuildTensors(str(folder), source.config, rec.name, rows)
 
@@ -353,7 +322,7 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
              mem_util: float = 0.90, node_mem_gib: float = 121.7, kv_dtype: str = "fp8",
              max_model_len: int | None = None, draft: str = "none", answer_tokens: int = 2048,
              reserve: Reserve = Reserve(), block_size: int = 64,
-             fmt: str = "compressed-tensors") -> FitReport:
+             fmt: str = "compressed-tensors", engine: str = "vllm") -> FitReport:
     """Plan a build of ``src`` on ``nodes`` GB10 nodes: a source folder or descriptor
     (planned through ``recipe`` and ``fmt``), an NVFP4 build folder (as stored), or a
     ``BuildTensors`` already read (then ``recipe`` and ``fmt`` are not used).
@@ -370,6 +339,7 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
         reserve: runtime reserve per rank.
         block_size: KV block (tokens) the pool is rounded down to.
         fmt: output format whose writer names the predicted tensors.
+        engine: whose per-TP alignment rules the recipe is planned under.
 
     Returns:
         FitReport with every term.
@@ -387,7 +357,7 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
         raise ValueError("block size must be >= 1 and answer tokens >= 0")
     kvd = KVDtype(kv_dtype)
     dr = parse_draft(draft)
-    build = src if isinstance(src, BuildTensors) else build_tensors(src, recipe, fmt)
+    build = src if isinstance(src, BuildTensors) else build_tensors(src, recipe, fmt, tp, engine)
     config, name = build.config, Path(build.source).name
     cfg = archs.text_config(config)
     ranks_per_node = tp // nodes

@@ -2,6 +2,12 @@
 
 Weights are random (normal, scaled like trained Linears), stored as DeepSeek-style block FP8
 (``weight`` F8_E4M3 + ``weight_scale_inv`` F32, block 128x128).
+
+- :func:`write_synthetic_fp8`: expert-only shards of any size (benchmarks).
+- :func:`write_release_fixture` / :func:`write_release_descriptor`: GLM-5.3-Flash
+  (``glm5_next``), GLM-5 (``glm_moe_dsa``) and DeepSeek-V3 releases with names and shapes from
+  the real transformers classes (tiny with data, or a header-only full-size descriptor).
+  What each release stores in FP8 / BF16 / F32 is the data row ``archs.RELEASE_LAYOUTS``.
 """
 
 import json

@@ -17,13 +17,16 @@ from tqdm.auto import tqdm
 
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
-from formats.shards import write_shard_atomic
+from formats.shards import dtype_name, write_shard_atomic
 from formats.sources import Source, open_source
 from quantize import __version__
-from quantize.errors import OutputError, SourceError
-from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
+from quantize.errors import CheckFailed, OutputError, SourceError
+from quantize.kernels.fp8 import quantize_fp8_block
+from quantize.kernels.mxfp8 import quantize_mxfp8
+from quantize.kernels.nvfp4 import (global_scale_from_amax, quantize_nvfp4, quantize_nvfp4_scale2,
+                                    scale_2_from_amax)
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
-from quantize.plan import Decision, module_of, plan_tensors
+from quantize.plan import Decision, dropped_tensors, fp8_passthrough, module_of, plan_tensors, predict_outputs
 from quantize.recipe import Target, load_recipe
 
 __all__ = ["Summary", "convert"]
@@ -49,6 +52,7 @@ class Summary:
     shards_skipped: int
     ignore: list[str]
     notes: list[str] = field(default_factory=list)
+    findings: list = field(default_factory=list)
 
     @property
     def gelem_per_s(self) -> float:
@@ -63,6 +67,7 @@ class Summary:
                  f"  time: {self.seconds:.1f} s, {self.gelem_per_s:.3f} G elements/s quantized",
                  f"  ignore: {len(self.ignore)} modules left unquantized"]
         lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  check: {f.render()}" for f in self.findings]
         return "\n".join(lines)
 
 
@@ -106,10 +111,16 @@ def _prepare_out(out: Path, resume: bool) -> None:
 
 
 class _Quantizer:
-    """Quantizes one logical tensor, sharing the global scale across its fused group."""
+    """Quantizes one logical tensor, sharing the global scale across its fused group.
 
-    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device):
-        self.source, self.decisions, self.device = source, decisions, device
+    NVFP4 uses the output format's arithmetic order (``writer.NVFP4_ORDER``): the
+    compressed-tensors quantize-direction global scale, or ModelOpt's dequant-direction
+    ``scale_2``; both scalars come from the same fused-group amax.
+    """
+
+    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device,
+                 order: str = "global"):
+        self.source, self.decisions, self.device, self.order = source, decisions, device, order
         self._amax: dict[str, torch.Tensor] = {}
 
     def _load(self, name: str) -> torch.Tensor:
@@ -128,18 +139,44 @@ class _Quantizer:
             self._load(name)
         return self._amax[name]
 
-    def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.decisions[name]
         w = self._load(name)
         names = [m + ".weight" for m in d.members] or [name]
-        g = global_scale_from_amax(torch.stack([self.amax(n) for n in names]).amax())
-        packed, scale = quantize_nvfp4(w.to(self.device), g)
-        return packed.cpu(), scale.cpu(), g
+        amax = torch.stack([self.amax(n) for n in names]).amax()
+        g, s2 = global_scale_from_amax(amax), scale_2_from_amax(amax)
+        if self.order == "scale_2":
+            packed, scale = quantize_nvfp4_scale2(w.to(self.device), s2)
+        else:
+            packed, scale = quantize_nvfp4(w.to(self.device), g)
+        return packed.cpu(), scale.cpu(), g, s2
+
+    def fp8_block(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """128x128 block FP8: the source bytes and scale untouched when stored that way,
+        else quantized from the fp32 read (DeepSeek convention, scale = block amax / 448)."""
+        scale = fp8_passthrough(self.source, name)
+        if scale is not None:
+            return self.source.read_raw(name), self.source.read_raw(scale.name)
+        return quantize_fp8_block(self._load(name))
+
+    def mxfp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_mxfp8(self._load(name))
+
+
+def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tuple], shard: str) -> None:
+    """What is about to be written equals the plan's prediction (names, dtypes, shapes), so
+    ``recipe show`` / fit planning sizes are exact by construction."""
+    got = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
+    want = {n: (d, tuple(s)) for n, (d, s) in predicted.items()}
+    if got != want:
+        diff = sorted(set(got.items()) ^ set(want.items()))[:5]
+        raise OutputError(f"internal: shard {shard} does not match the planned layout: {diff}", shard=shard)
 
 
 def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
-            resume: bool = False, progress: bool = True, source_info: dict | None = None) -> Summary:
+            resume: bool = False, progress: bool = True, source_info: dict | None = None,
+            tp: int = 1, engine: str = "vllm") -> Summary:
     """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
 
     Args:
@@ -150,6 +187,10 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         fmt: output layout, see ``formats.OutputFormat``.
         recipe: preset name or TOML path (``quantize.recipe``).
         device: ``cpu``, ``cuda`` or ``auto``.
+        tp: tensor-parallel size the build is for; tensors whose per-shard shape breaks the
+            engine's alignment rules are kept in high precision and listed in the notes.
+        engine: ``vllm``, ``sglang`` or ``trtllm``: whose rules the plan and the final
+            ``quantize check`` apply.
         resume: skip output shards the ledger records as finished (sha256 checked); the
             final folder is byte-identical to an uninterrupted run.
         source_info: extra provenance (repo id, revision) recorded in the manifest.
@@ -159,6 +200,8 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
 
     Raises:
         SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named.
+        CheckFailed: ``quantize check`` found errors in the written build (no manifest is
+            written, so the folder is not a finished build).
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -166,27 +209,28 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     rec = load_recipe(recipe)
     writer = get_writer(fmt)
     dev = _resolve_device(device)
-    decisions = plan_tensors(source, rec)
+    decisions = plan_tensors(source, rec, tp=tp, engine=engine)
+    predicted = predict_outputs(source, decisions, fmt)
     notes = []
-    skip = set()
-    if _tied(source.config) and "lm_head.weight" in source.tensors:
-        skip.add("lm_head.weight")
+    skip = dropped_tensors(source)
+    if skip:
         notes.append("lm_head.weight dropped: tie_word_embeddings is true, the loader uses "
                      "embed_tokens (FC-23)")
     if source.dropped:
         notes.append(f"dropped {len(source.dropped)} FP8 activation/KV sidecars "
                      f"(e.g. {source.dropped[0]})")
     for d in decisions.values():
-        if d.reason.startswith(("K=", "fused group")):
+        if not d.reason.startswith(("recipe ", "sensitive:", "not a Linear")):
             notes.append(f"{d.name} kept as {d.target.value}: {d.reason}")
     headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
-    options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256}
+    options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256,
+               "tp": tp, "engine": engine}
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
                        "decisions": {n: d.target.value for n, d in decisions.items()}})
     _prepare_out(out, resume)
     _bound_allocator()
     ledger = Ledger(out, job, resume)
-    quant = _Quantizer(source, decisions, dev)
+    quant = _Quantizer(source, decisions, dev, writer.NVFP4_ORDER)
     written, skipped, out_shards = 0, 0, []
     bytes_in = sum(i.nbytes for i in source.infos.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
@@ -208,13 +252,20 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         for t in members:
             d = decisions[t.name]
             if d.target is Target.NVFP4:
-                packed, scale, g = quant(t.name)
-                tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g))
+                packed, scale, g, s2 = quant(t.name)
+                tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g, s2))
+                elements += t.numel
+            elif d.target is Target.FP8_BLOCK:
+                tensors.update(writer.emit_fp8_block(module_of(t.name), *quant.fp8_block(t.name)))
+                elements += t.numel
+            elif d.target is Target.MXFP8:
+                tensors.update(writer.emit_mxfp8(module_of(t.name), *quant.mxfp8(t.name)))
                 elements += t.numel
             elif d.target is Target.BF16:
                 tensors[t.name] = source.read(t.name).to(torch.bfloat16)
             else:
                 tensors[t.name] = source.read(t.name)
+        _assert_predicted(tensors, {k: v for t in members for k, v in predicted[t.name].items()}, shard)
         write_shard_atomic(tensors, out / shard)
         del tensors
         _release_freed_memory()
@@ -225,17 +276,31 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     source.close()
 
     index = write_index(out, out_shards)
-    ignore = sorted({module_of(n) for n, d in decisions.items()
-                     if n not in skip and d.target is not Target.NVFP4 and module_of(n)})
+    linear = {n: d for n, d in decisions.items()
+              if n not in skip and module_of(n) and len(source.tensors[n].shape) == 2}
+    targets = {module_of(n): d.target.value for n, d in linear.items() if d.target.quantized}
+    ignore = sorted({module_of(n) for n, d in linear.items() if not d.target.quantized})
     if _tied(source.config) and "lm_head" not in ignore:
         ignore.append("lm_head")  # the tied head is the unquantized embedding
     config = json.loads(json.dumps(source.config))
     (config.get("text_config") or {}).pop("quantization_config", None)
-    config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
+    producer = {"name": "spark-quant", "version": __version__}
+    config["quantization_config"] = writer.quantization_config(targets, sorted(ignore), scheme, producer)
+    for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer).items():
+        write_json_atomic(obj, out / fname)
     write_json_atomic(config, out / "config.json")
-    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME})
+    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME,
+                                          "hf_quant_config.json"})
+    from quantize.check import check_build  # the check reads only what was written
+
+    findings = check_build(out, engine=engine, tp=tp)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise CheckFailed(f"quantize check found {len(errors)} error(s) in {out} (no manifest "
+                          "written):\n  " + "\n  ".join(f.render() for f in errors[:20]),
+                          tensor=errors[0].tensor, key=errors[0].rule)
     summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], elements,
-                      time.perf_counter() - t0, written, skipped, sorted(ignore), notes)
+                      time.perf_counter() - t0, written, skipped, sorted(ignore), notes, findings)
     write_manifest(out, {
         "tool": "spark-quant", "version": __version__,
         "source": {"path": str(src.resolve()), "layout": source.kind.value,

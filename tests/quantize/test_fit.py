@@ -37,15 +37,23 @@ def test_four_128k_sessions_fill_520192_exactly():
 
 # ---- prediction == what the converter writes -------------------------------------------------
 
-@pytest.mark.parametrize("which", ["llama", "glm5_next"])
-def test_prediction_equals_converted_bytes(which, tiny_fp8_llama, glm5_next_src, tmp_path):
+@pytest.mark.parametrize("which, recipe, fmt", [
+    ("llama", "weight-only", "compressed-tensors"),
+    ("glm5_next", "weight-only", "compressed-tensors"),
+    ("glm5_next", "spark-mixed", "compressed-tensors"),
+    ("glm5_next", "spark-mixed", "modelopt"),
+])
+def test_prediction_equals_converted_bytes(which, recipe, fmt, tiny_fp8_llama, glm5_next_src,
+                                           tmp_path):
     src = tiny_fp8_llama if which == "llama" else glm5_next_src
     out = tmp_path / "build"
-    convert(src, out, progress=False, device="cpu")
+    convert(src, out, progress=False, device="cpu", recipe=recipe, fmt=fmt, tp=2)
     index = json.loads((out / INDEX_NAME).read_text())
     written = sum(i.nbytes for s in set(index["weight_map"].values())
                   for i in read_header(out / s).values())
-    src_plan = plan_fit(src, nodes=2, draft="mtp" if which == "glm5_next" else "none")
+    src_plan = plan_fit(src, nodes=2, draft="mtp" if which == "glm5_next" else "none",
+                        recipe=recipe, fmt=fmt)
+    assert src_plan.recipe == recipe
     assert src_plan.build_bytes == written == index["metadata"]["total_size"]
     # the build read as stored splits over ranks exactly as predicted from the source
     build_plan = plan_fit(out, nodes=2, draft="mtp" if which == "glm5_next" else "none")

@@ -274,7 +274,7 @@ def test_resume_refuses_a_different_job(tmp_path, tiny_fp8_llama, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_fp8_llama, out, progress=False)
     monkeypatch.undo()
-    (tmp_path / "r.toml").write_text('name="other"\n[[rule]]\nmatch="re:.*q_proj"\ntarget="nvfp4"\n')
+    (tmp_path / "r.toml").write_text('name="other"\n[[rule]]\nmatch="re:.*mlp.*"\ntarget="nvfp4"\n')
     with pytest.raises(OutputError, match="holds a different build"):
         convert(tiny_fp8_llama, out, progress=False, resume=True, recipe=str(tmp_path / "r.toml"))
 
