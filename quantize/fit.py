@@ -4,7 +4,7 @@ Reads only safetensors headers and config.json. The memory model, per TP rank (a
 has one GPU, so by default TP = nodes and a rank has the whole node)::
 
     budget    = node memory × mem-util / ranks per node
-    weights   = Σ sharded tensor bytes / TP + Σ replicated tensor bytes   (archs.tp_replicated_role)
+    weights   = Σ split tensor bytes / TP + Σ replicated tensor bytes (archs.tp_replicated_role)
     reserve   = activation peak + non-torch (NCCL, CUDA context) + CUDA graphs
     draft     = MTP layer weights (--draft mtp) or SIZE / TP (--draft external:SIZE)
     KV pool   = budget − weights − reserve − draft
@@ -23,7 +23,7 @@ Default runtime reserve, 6 GiB per rank: activation peak 4 GiB, non-torch 1 GiB,
 1 GiB. Anchor: a 2x Spark TP2 deployment with ~94 GiB of weights per rank has no KV cache at
 mem-util 0.80 (3.4 GiB left) and runs at 0.90 (15.5 GiB left), so its reserve lies between
 (eval_anchors.md 6.2); vLLM's own log for a 7B model shows activation 9.4 GiB at long
-batched-token counts, so raise ``--reserve-gib`` for large ``max_num_batched_tokens``.
+batched-token counts, so raise ``--activation-gib`` for large ``max_num_batched_tokens``.
 
 Output tensors come from the converter's own ``plan.plan_tensors`` and ``plan.predict_outputs``
 (names, dtypes and shapes from the output writer); the tests hold the prediction equal to the
@@ -240,7 +240,8 @@ def _kib(nbytes: float) -> str:
 def _is_build(folder: Path, config: dict) -> bool:
     """An NVFP4 build (read as stored), not a source: ours (manifest), ModelOpt, or
     compressed-tensors whose format (top level or any config group) is NVFP4 or mixed."""
-    qc = config.get("quantization_config") or archs.text_config(config).get("quantization_config") or {}
+    qc = (config.get("quantization_config")
+          or archs.text_config(config).get("quantization_config") or {})
     groups = qc.get("config_groups") or {}
     fmts = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
     return ((folder / MANIFEST_NAME).is_file() or qc.get("quant_method") == "modelopt"
@@ -249,13 +250,14 @@ def _is_build(folder: Path, config: dict) -> bool:
 
 @dataclass(frozen=True)
 class BuildTensors:
-    """The tensors of a build, as ``(name, shape, bytes)``: predicted for a source, read for a
-    build folder. ``recipe`` is the recipe name, or ``as stored``."""
+    """The tensors of a build, as ``(name, shape, bytes)``: predicted for a source at TP
+    ``tp``, or read from a build folder (``recipe`` ``as stored``, ``tp`` None)."""
 
     source: str
     config: dict
     recipe: str
     tensors: tuple[tuple[str, tuple[int, ...], int], ...]
+    tp: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -298,7 +300,7 @@ def build_tensors(src: str | Path, recipe: str = "weight-only", fmt: str = "comp
     rows = tuple((n, tuple(shape), TensorInfo(n, "", dtype, tuple(shape)).nbytes)
                  for per_tensor in outputs.values() for n, (dtype, shape) in per_tensor.items())
     source.close()
-    return BuildTensors(str(folder), source.config, rec.name, rows)
+    return BuildTensors(str(folder), source.config, rec.name, rows, tp)
 
 
 def _weight_terms(build: BuildTensors, tp: int) -> tuple[list[WeightTerm], WeightTerm | None, int]:
@@ -306,7 +308,8 @@ def _weight_terms(build: BuildTensors, tp: int) -> tuple[list[WeightTerm], Weigh
     layers apart. Returns (terms, MTP term or None, number of MTP layers)."""
     buckets: dict[str, list[int]] = {}
     for role, mtp_layer, nbytes in build.placement:
-        key = "MTP" if mtp_layer is not None else (f"replicated: {role}" if role else f"split over TP{tp}")
+        key = ("MTP" if mtp_layer is not None
+               else f"replicated: {role}" if role else f"split over TP{tp}")
         b = buckets.setdefault(key, [0, 0, 0])
         b[0] += 1
         b[1] += nbytes
@@ -364,6 +367,9 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
     terms, mtp, n_mtp = _weight_terms(build, tp)
     weights = sum(t.per_rank_bytes for t in terms)
     notes = []
+    if build.tp is not None and build.tp != tp:
+        notes.append(f"tensors were predicted for TP{build.tp} (per-shard alignment), planned "
+                     f"here at TP{tp}")
     if dr.kind == "mtp" and mtp is None:
         raise ValueError(f"--draft mtp: {name} has no MTP layer (no tensors under "
                          f"layers.{cfg.get('num_hidden_layers')} or beyond)")

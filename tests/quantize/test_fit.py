@@ -177,7 +177,7 @@ def glm53_full(tmp_path_factory):
 
     path = write_release_descriptor(tmp_path_factory.mktemp("full") / "glm53.descriptor.json",
                                     "glm5_next", "full")
-    return build_tensors(path, "weight-only")
+    return build_tensors(path, "weight-only", tp=2)
 
 
 def test_full_size_glm53_arms_and_nodes(glm53_full):
@@ -194,6 +194,7 @@ def test_full_size_glm53_arms_and_nodes(glm53_full):
     assert none.draft_bytes == 0 and mtp.draft_bytes > 2 * GIB
     # weight-only NVFP4 GLM-5.3-Flash does not fit one GB10 node; two nodes leave a KV pool
     one = plan_fit(glm53_full, nodes=1)
+    assert "predicted for TP2" in one.notes[0]
     assert not one.fits and one.kv_pool_tokens == 0 and one.weights_bytes > one.budget_bytes
     assert none.weights_bytes < one.weights_bytes / 2 + 2 * GIB  # replicated part is small
     assert none.sessions["128k"] > 10 and none.max_model_len == 1_048_576

@@ -43,7 +43,8 @@ def test_gqa_records_match_vllm_logs():
     assert gqa_record(1, 128, KVDtype.NVFP4).nbytes == 144
     # TP splits KV heads, never below one head per rank.
     assert kv_model(qwen, KVDtype.BF16, tp=2).bytes_per_token == 114_688 // 2
-    assert kv_model(dict(qwen, num_key_value_heads=1), KVDtype.BF16, tp=4).bytes_per_token == 28 * 512
+    mqa = dict(qwen, num_key_value_heads=1)
+    assert kv_model(mqa, KVDtype.BF16, tp=4).bytes_per_token == 28 * 512
 
 
 def test_glm5_next_layout_from_transformers_defaults():
@@ -90,7 +91,7 @@ def test_glm5_next_per_sequence_state():
 
 
 def test_indexer_per_token_without_kpool():
-    # GLM-5 / DeepSeek-V3.2: one 128 e4m3 + f32 scale entry per token (vLLM DeepseekV32IndexerCache).
+    # GLM-5 / DeepSeek-V3.2: one 128 e4m3 + f32 scale per token (vLLM DeepseekV32IndexerCache).
     assert indexer_record(128).nbytes == 132
     glm5 = dict(DEEPSEEK_V3, index_head_dim=128, index_topk=2048, qk_rope_head_dim=64)
     assert kv_model(glm5, KVDtype.FP8, tp=2).bytes_per_token == 61 * (656 + 132)
