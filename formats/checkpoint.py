@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from formats.shards import TensorInfo, read_header
@@ -18,21 +19,25 @@ WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def _safe_member(folder: Path, rel: str, what: str) -> str:
-    """Refuse index entries that point outside the folder (``..``, absolute, symlinks out)."""
+def _safe_member(folder: Path, rel: str, what: str, root: Path | None = None) -> str:
+    """Refuse index entries that point outside the folder (``..``, absolute, symlinks out of
+    ``root``, default the folder; a Hub cache snapshot links into its repo's ``blobs/``)."""
     p = Path(rel)
     if p.is_absolute() or ".." in p.parts or len(p.parts) != 1:
         raise SourceError(f"{what} names {rel!r}, which is not a file inside the source folder",
                           shard=rel)
     full = (folder / rel)
-    if full.is_symlink() and not full.resolve().is_relative_to(folder.resolve()):
+    if full.is_symlink() and not full.resolve().is_relative_to(Path(root or folder).resolve()):
         raise SourceError(f"{what} names {rel!r}, a link leading outside the source folder",
                           shard=rel)
     return rel
 
 
-def load_index(folder: Path) -> dict[str, str]:
+def load_index(folder: Path, root: Path | None = None, check_files: bool = True) -> dict[str, str]:
     """Tensor name -> shard file name, from the index or a single ``model.safetensors``.
+
+    ``root``: folder that shard symlinks must resolve into (default ``folder``).
+    ``check_files=False`` skips the on-disk check of the shards (a Hub source fetches them later).
 
     Raises:
         SourceError: no weights, unreadable index, an entry pointing outside the folder,
@@ -46,13 +51,15 @@ def load_index(folder: Path) -> dict[str, str]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise SourceError(f"{INDEX_NAME} is malformed: {e}", key="weight_map") from None
         for shard in set(weight_map.values()):
-            _safe_member(folder, shard, INDEX_NAME)
+            _safe_member(folder, shard, INDEX_NAME, root)
     elif (folder / SINGLE_NAME).exists():
         weight_map = {k: SINGLE_NAME for k in read_header(folder / SINGLE_NAME)}
     else:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         hint = f" (found pickled weights {pickles}, which are never loaded)" if pickles else ""
         raise SourceError(f"{folder} has no {INDEX_NAME} or {SINGLE_NAME}{hint}")
+    if not check_files:
+        return dict(weight_map)
     bad = sorted({s for s in weight_map.values()
                   if not (folder / s).is_file() or (folder / s).stat().st_size == 0})
     if bad:
@@ -61,8 +68,13 @@ def load_index(folder: Path) -> dict[str, str]:
     return dict(weight_map)
 
 
-def read_all_headers(folder: Path, weight_map: dict[str, str]) -> dict[str, TensorInfo]:
+def read_all_headers(folder: Path, weight_map: dict[str, str],
+                     header_of: Callable[[str], dict[str, TensorInfo]] | None = None
+                     ) -> dict[str, TensorInfo]:
     """Read every shard header once and check the index against them.
+
+    ``header_of(shard)`` supplies a shard's header (default: ``read_header`` of the file in
+    ``folder``; a Hub source passes headers fetched with HTTP range requests).
 
     Returns:
         tensor name -> TensorInfo for every tensor the index lists.
@@ -73,8 +85,9 @@ def read_all_headers(folder: Path, weight_map: dict[str, str]) -> dict[str, Tens
     folder = Path(folder)
     infos: dict[str, TensorInfo] = {}
     missing = []
+    header_of = header_of or (lambda shard: read_header(folder / shard))
     for shard in sorted(set(weight_map.values())):
-        header = read_header(folder / shard)
+        header = header_of(shard)
         for name, s in weight_map.items():
             if s != shard:
                 continue
@@ -117,21 +130,23 @@ def write_index(folder: Path, shards: list[str]) -> dict:
     return index
 
 
-def carry_files(src: Path, out: Path, skip: set[str]) -> list[str]:
+def carry_files(src: Path, out: Path, skip: set[str], root: Path | None = None) -> list[str]:
     """Copy every non-weight file (tokenizer, chat template, generation config, license,
     custom code) from ``src`` to ``out``, keeping sub-folders; returns the relative paths.
 
     Weights (``*.safetensors``, pickles), the index and names in ``skip`` are not copied.
-    Custom code is copied as a file and never imported.
+    Custom code is copied as a file and never imported. Symlinks are followed only when they
+    resolve inside ``root`` (default ``src``; a Hub cache snapshot links into ``blobs/``).
     """
     src, out = Path(src), Path(out)
+    root = Path(root or src)
     copied = []
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if (not p.is_file() or rel.parts[0].startswith(".") or p.suffix in WEIGHT_SUFFIXES
                 or p.suffix in PICKLE_SUFFIXES or str(rel) in skip or p.name == INDEX_NAME):
             continue
-        if p.is_symlink() and not p.resolve().is_relative_to(src.resolve()):
+        if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
             continue
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -24,3 +24,11 @@ class RecipeError(SparkQuantError, ValueError):
 
 class OutputError(SparkQuantError, OSError):
     """The output folder cannot be written (or resumed) safely."""
+
+
+class GateFailed(SparkQuantError, ValueError):
+    """A build's eval gate is missing or failed, so it is not published."""
+
+
+class CardError(SparkQuantError, ValueError):
+    """The model card's metadata is invalid; ``key`` names the field."""

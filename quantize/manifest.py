@@ -5,8 +5,10 @@
   digests), the tool version, the recipe and its hash, and the conversion summary. It holds
   no timestamps, so an interrupted-then-resumed build is byte-identical to a clean one.
 - ``.spark-quant-progress.json`` is the ledger of finished output shards while a build runs:
-  the job fingerprint (options + source headers + decisions) and each shard's sha256. It is
-  removed when the build completes.
+  the job fingerprint (options + source headers + decisions) and each shard's sha256, plus the
+  amax of every tensor read so far (float32 as ``float.hex``, exact), so a resumed run gets a
+  fused group's shared global scale without re-reading (or re-downloading) finished shards.
+  It is removed when the build completes.
 """
 
 import hashlib
@@ -35,6 +37,7 @@ class Ledger:
         self.path = Path(out) / PROGRESS_NAME
         self.out = Path(out)
         self.done: dict[str, str] = {}
+        self.amax: dict[str, float] = {}
         if resume and self.path.exists():
             data = json.loads(self.path.read_text())
             if data.get("job") != job:
@@ -42,6 +45,7 @@ class Ledger:
                     f"{out} holds a different build (options or source changed); use a new --out "
                     "or delete the folder", key=PROGRESS_NAME)
             self.done = data.get("shards", {})
+            self.amax = {k: float.fromhex(v) for k, v in data.get("amax", {}).items()}
         self.job = job
         self._save()
 
@@ -51,14 +55,18 @@ class Ledger:
         p = self.out / shard
         return want is not None and p.is_file() and sha256_file(p) == want
 
-    def mark(self, shard: str) -> str:
+    def mark(self, shard: str, amax: dict[str, float] | None = None) -> str:
+        """Record ``shard`` as finished (its sha256) and the tensor amaxes known so far."""
         digest = sha256_file(self.out / shard)
         self.done[shard] = digest
+        self.amax.update(amax or {})
         self._save()
         return digest
 
     def _save(self) -> None:
-        write_json_atomic({"job": self.job, "shards": self.done}, self.path)
+        write_json_atomic({"job": self.job, "shards": self.done,
+                           "amax": {k: float(v).hex() for k, v in sorted(self.amax.items())}},
+                          self.path)
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)

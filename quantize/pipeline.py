@@ -20,6 +20,7 @@ from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_
 from formats.shards import write_shard_atomic
 from formats.sources import Source, open_source
 from quantize import __version__
+from quantize.budget import check_free_disk, predicted_output_bytes
 from quantize.errors import OutputError, SourceError
 from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
@@ -108,9 +109,14 @@ def _prepare_out(out: Path, resume: bool) -> None:
 class _Quantizer:
     """Quantizes one logical tensor, sharing the global scale across its fused group."""
 
-    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device):
+    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device,
+                 known_amax: dict[str, float] | None = None):
         self.source, self.decisions, self.device = source, decisions, device
-        self._amax: dict[str, torch.Tensor] = {}
+        self._amax = {n: torch.tensor(v, dtype=torch.float32) for n, v in (known_amax or {}).items()}
+
+    def amaxes(self) -> dict[str, float]:
+        """Every amax seen so far (float32 values as Python floats, exact)."""
+        return {n: float(a) for n, a in self._amax.items()}
 
     def _load(self, name: str) -> torch.Tensor:
         w = self.source.read(name).to(torch.float32)
@@ -137,14 +143,14 @@ class _Quantizer:
         return packed.cpu(), scale.cpu(), g
 
 
-def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
+def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
             resume: bool = False, progress: bool = True, source_info: dict | None = None) -> Summary:
     """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
 
     Args:
         src: folder with config.json and safetensors shards (block FP8, compressed-tensors
-            FP8, or dense).
+            FP8, or dense), or an opened ``Source`` (``quantize.hub`` streams one from the Hub).
         out: output folder; must be empty unless ``resume``.
         scheme: ``w4a16`` (weight-only NVFP4).
         fmt: output layout, see ``formats.OutputFormat``.
@@ -152,17 +158,19 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         device: ``cpu``, ``cuda`` or ``auto``.
         resume: skip output shards the ledger records as finished (sha256 checked); the
             final folder is byte-identical to an uninterrupted run.
-        source_info: extra provenance (repo id, revision) recorded in the manifest.
+        source_info: extra provenance (repo id, commit, file hashes) recorded in the manifest
+            and part of the resume fingerprint.
 
     Returns:
         Summary of the run.
 
     Raises:
-        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named.
+        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named;
+            OutputError also when the free disk cannot hold the rest of the build.
     """
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
-    source = open_source(src)
+    source = src if isinstance(src, Source) else open_source(src)
+    src, out = source.folder, Path(out)
     rec = load_recipe(recipe)
     writer = get_writer(fmt)
     dev = _resolve_device(device)
@@ -182,17 +190,20 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
     options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256}
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
-                       "decisions": {n: d.target.value for n, d in decisions.items()}})
+                       "decisions": {n: d.target.value for n, d in decisions.items()},
+                       "source": source_info or {}})
     _prepare_out(out, resume)
     _bound_allocator()
     ledger = Ledger(out, job, resume)
-    quant = _Quantizer(source, decisions, dev)
+    check_free_disk(out, predicted_output_bytes(source, decisions, writer, skip, set(ledger.done)),
+                    source.files)
+    quant = _Quantizer(source, decisions, dev, ledger.amax)
     written, skipped, out_shards = 0, 0, []
     bytes_in = sum(i.nbytes for i in source.infos.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
     elements = 0
     bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    for shard in source.shards:
+    for shard in source.stream():
         members = [t for t in source.tensors_in(shard) if t.name not in skip]
         shard_bytes = sum(i.nbytes for i in source.infos.values() if i.shard == shard)
         if not members:
@@ -218,7 +229,7 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         write_shard_atomic(tensors, out / shard)
         del tensors
         _release_freed_memory()
-        ledger.mark(shard)
+        ledger.mark(shard, quant.amaxes())
         written += 1
         bar.update(shard_bytes)
     bar.close()
@@ -233,7 +244,8 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     (config.get("text_config") or {}).pop("quantization_config", None)
     config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
     write_json_atomic(config, out / "config.json")
-    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME})
+    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME},
+                          root=source.files.root)
     summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], elements,
                       time.perf_counter() - t0, written, skipped, sorted(ignore), notes)
     write_manifest(out, {
