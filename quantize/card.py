@@ -121,7 +121,8 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
     lic = license or src.get("license") or carried.get("license")
     schema = _schema()
     tags = [*schema["tags"], *([cfg["model_type"]] if cfg.get("model_type") else [])]
-    extra = {k: carried[k] for k in ("license_name", "license_link") if k in carried and not license}
+    extra = {k: src.get(k) or carried.get(k) for k in ("license_name", "license_link")
+             if (src.get(k) or carried.get(k)) and not license}
     results = _eval_results(info["report"])
     if results:  # model_name only names the model-index entry
         extra.update(eval_results=results, model_name=repo_id.split("/")[-1])

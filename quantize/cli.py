@@ -42,6 +42,8 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
         print(f"  source: {info['repo']}@{info['commit']}, downloaded "
               f"{fetcher.downloaded_bytes / 2**20:.1f} MiB, peak {fetcher.peak_bytes / 2**20:.1f} "
               f"MiB of shards on disk, {'kept' if fetcher.keep else 'deleted after use'}")
+    elif info.get("offline"):
+        print(f"  source: {info['repo']}@{info['commit']} from the local cache (offline)")
     if args.src == "demo" and not args.no_showcase:
         from eval.showcase import showcase
 

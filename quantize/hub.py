@@ -209,7 +209,8 @@ def _open_offline(repo: str, revision: str | None) -> tuple[Source, dict]:
              for p in sorted(folder.rglob("*")) if p.is_file()}
     card = metadata_load(folder / "README.md") if (folder / "README.md").is_file() else None
     info = {"repo": repo, "revision": revision or "main", "commit": folder.name,
-            "license": (card or {}).get("license"), "offline": True, "files": files}
+            **{k: (card or {}).get(k) for k in ("license", "license_name", "license_link")},
+            "offline": True, "files": files}
     return source, info
 
 
@@ -271,6 +272,6 @@ def open_hub_source(ref: str, out: Path, *, keep_source: bool = False
     source = open_source(snapshot, shard_files)
     card = model.card_data
     info = {"repo": repo, "revision": revision or "main", "commit": model.sha,
-            "license": getattr(card, "license", None) if card else None,
+            **{k: getattr(card, k, None) for k in ("license", "license_name", "license_link")},
             "files": dict(sorted(listing.items()))}
     return source, info, shard_files

@@ -20,7 +20,11 @@ kill a client mid-transfer), and shuts itself down after ``lifetime`` seconds.
 import base64
 import hashlib
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +34,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import yaml
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_oid(data: bytes) -> str:
@@ -394,3 +399,36 @@ def _handler(hub: FakeHub):
                              "commitOid": sha, "pullRequestUrl": None, "success": True})
 
     return Handler
+
+
+def client_env(hub: FakeHub, hf_home: Path, **extra: str) -> dict:
+    """The environment of a user pointed at ``hub``: no HF_* from this machine, HF_ENDPOINT at
+    the local endpoint, HF_HOME a test folder, plus ``extra`` (HF_TOKEN, HF_HUB_OFFLINE, ...)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def run_quantize(args: list[str], env: dict, hub: FakeHub, kill_on=None,
+                 timeout: int = 240) -> tuple[int, str, str]:
+    """Run ``quantize ARGS`` in a child process; returns (exit code, stdout, stderr).
+
+    ``kill_on(event)`` true -> the server SIGKILLs the child at that request (and drops the
+    request), which is how tests interrupt a download or an upload.
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "quantize.cli", *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def hook(ev):
+        if kill_on is not None and kill_on(ev):
+            os.kill(proc.pid, signal.SIGKILL)
+            return True
+        return False
+
+    hub.hooks.append(hook)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        hub.hooks.remove(hook)
+    return proc.returncode, out, err

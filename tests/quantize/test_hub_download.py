@@ -4,11 +4,8 @@ set in the child's environment as a user would."""
 
 import hashlib
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +18,8 @@ from quantize.errors import OutputError
 from quantize.kernels.fp8 import quantize_fp8_block
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
 from quantize.pipeline import convert
-from tests.hub_server import FakeHub
+from tests.hub_server import FakeHub, client_env, run_quantize
 
-ROOT = Path(__file__).resolve().parents[2]
 REPO = "org/tiny-fp8"
 TOKEN = "hf_test_token"
 SHARDS = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
@@ -72,33 +68,6 @@ def layered_fp8(folder: Path, layers: int = 4, h: int = 256, inter: int = 512, k
     return folder
 
 
-def _env(hub: FakeHub, hf_home: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONPATH=str(ROOT), **extra)
-    return env
-
-
-def _quantize(args: list[str], env: dict, hub: FakeHub, kill_on=None, timeout: int = 240):
-    """Run ``quantize ARGS`` in a child process; ``kill_on(event)`` true -> SIGKILL the child
-    from inside the server, at that request."""
-    proc = subprocess.Popen([sys.executable, "-m", "quantize.cli", *args], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    hook = None
-    if kill_on is not None:
-        def hook(ev):
-            if kill_on(ev):
-                os.kill(proc.pid, signal.SIGKILL)
-                return True
-        hub.hooks.append(hook)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if hook is not None:
-            hub.hooks.remove(hook)
-    return proc.returncode, out, err
-
-
 def _full_gets(log: list[dict]) -> list[str]:
     return [e["file"] for e in log if e.get("full") and e["file"].endswith(".safetensors")]
 
@@ -111,11 +80,11 @@ def test_stream_within_two_shards_and_resume_after_kill(tmp_path):
     with FakeHub(token=TOKEN) as hub:
         commit = hub.serve_folder(REPO, src, private=True, card_data={"license": "mit"})
         hub.watch = hf_home
-        env = _env(hub, hf_home, HF_TOKEN=TOKEN)
+        env = client_env(hub, hf_home, HF_TOKEN=TOKEN)
         args = ["nvfp4", "--src", REPO, "--out", str(out), "--quiet", "--device", "cpu"]
         # Run 1 is killed (SIGKILL, no cleanup) when it asks for shard 3: shard 1 is converted,
         # shard 2 was fetched as shard 1's partner and is not converted yet.
-        rc, _, err = _quantize(args, env, hub,
+        rc, _, err = run_quantize(args, env, hub,
                                kill_on=lambda ev: ev.get("full") and ev["file"] == SHARDS[2])
         assert rc == -signal.SIGKILL, err
         assert _full_gets(hub.log) == SHARDS[:3]
@@ -129,7 +98,7 @@ def test_stream_within_two_shards_and_resume_after_kill(tmp_path):
         assert sha[SHARDS[0]] not in cached and sha[SHARDS[1]] in cached  # 1 deleted, 2 kept
 
         n = len(hub.log)
-        rc, stdout, err = _quantize(args + ["--resume"], env, hub)
+        rc, stdout, err = run_quantize(args + ["--resume"], env, hub)
         assert rc == 0, err
         # Shard 1 (finished) and shard 2 (still cached) are not downloaded again; the gate/up
         # group split over shards 1|2 takes its amax from the resume ledger.
@@ -163,8 +132,8 @@ def test_offline_private_and_missing_shard(tmp_path):
     with FakeHub(token=TOKEN) as hub:
         commit = hub.serve_folder(REPO, src, private=True, card_data={"license": "mit"})
         # Private repo without HF_TOKEN: refused before anything is downloaded.
-        rc, _, err = _quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o0")],
-                               _env(hub, hf_home), hub)
+        rc, _, err = run_quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o0")],
+                               client_env(hub, hf_home), hub)
         assert rc == 1 and "HF_TOKEN" in err and REPO in err
         # Fill the cache the way `hf download` does, then go offline.
         for f in sorted(p.name for p in src.iterdir()):
@@ -172,8 +141,8 @@ def test_offline_private_and_missing_shard(tmp_path):
                             endpoint=hub.url, token=TOKEN)
         blobs_before = sorted(p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir())
         n = len(hub.log)
-        env = _env(hub, hf_home, HF_HUB_OFFLINE="1")
-        rc, _, err = _quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o1"), "--quiet",
+        env = client_env(hub, hf_home, HF_HUB_OFFLINE="1")
+        rc, _, err = run_quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o1"), "--quiet",
                                 "--device", "cpu"], env, hub)
         assert rc == 0, err
         assert hub.log[n:] == []  # not one request
@@ -183,7 +152,7 @@ def test_offline_private_and_missing_shard(tmp_path):
         assert (man["repo"], man["commit"], man["offline"], man["license"]) == (REPO, commit, True, "mit")
         # An incomplete cache offline: stop before converting, naming the missing shard.
         (hf_home / "hub/models--org--tiny-fp8/snapshots" / commit / SHARDS[1]).unlink()
-        rc, _, err = _quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o2")], env, hub)
+        rc, _, err = run_quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o2")], env, hub)
         assert rc == 1 and SHARDS[1] in err and "offline" in err
         assert hub.log[n:] == []
 
@@ -225,3 +194,33 @@ def test_free_disk_check_stops_with_the_numbers(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match=r"need 1\.5 MiB \(output 1\.5 MiB\), free 1\.0 MiB"):
         convert(src, tmp_path / "o", progress=False, device="cpu")
     assert not list((tmp_path / "o").glob("*.safetensors"))
+
+
+class _Recording(ShardFiles):
+    """Local shards, recording when the converter first needs each one and releases it."""
+
+    def __init__(self, folder: Path):
+        super().__init__(folder)
+        self.events, self.held = [], set()
+
+    def path(self, shard: str) -> Path:
+        if shard not in self.held:
+            self.held.add(shard)
+            self.events.append(("fetch", shard[10]))
+        return super().path(shard)
+
+    def release(self, shard: str) -> None:
+        if shard in self.held:
+            self.held.discard(shard)
+            self.events.append(("release", shard[10]))
+
+
+def test_stream_releases_each_shard_after_its_last_reader(tmp_path):
+    from formats.sources import open_source
+
+    files = _Recording(layered_fp8(tmp_path / "src"))
+    convert(open_source(files.folder, files), tmp_path / "out", progress=False, device="cpu")
+    # Shard i needs shard i+1 (gate scale and up_proj); it is released as soon as shard i is
+    # written, before shard i+2 is fetched: never more than two shards held.
+    assert files.events == [("fetch", "1"), ("fetch", "2"), ("release", "1"), ("fetch", "3"),
+                            ("release", "2"), ("fetch", "4"), ("release", "3"), ("release", "4")]

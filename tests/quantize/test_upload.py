@@ -4,10 +4,7 @@ the child runs with HF_HUB_DISABLE_XET=1 (huggingface_hub's own switch)."""
 
 import hashlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,9 +16,8 @@ from quantize.card import render_card, validate_card
 from quantize.errors import CardError, GateFailed
 from quantize.pipeline import convert
 from quantize.upload import upload_build
-from tests.hub_server import FakeHub
+from tests.hub_server import FakeHub, client_env, run_quantize
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "hf_test_token"
 REPORT = {"gate": {"passed": True, "reason": "all checks within thresholds"},
           "results": {"kl": {"mean_kl": 0.0123, "top1_agreement": 0.971,
@@ -48,26 +44,9 @@ def build(tmp_path_factory) -> Path:
     return out
 
 
-def _upload(args: list[str], hub: FakeHub, tmp: Path, kill_on=None, **env_extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp / "hf"), HF_TOKEN=TOKEN,
-               HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
-               HF_HUB_DISABLE_TELEMETRY="1", PYTHONPATH=str(ROOT), **env_extra)
-    proc = subprocess.Popen([sys.executable, "-m", "quantize.cli", "upload", *args], env=env,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    hook = None
-    if kill_on is not None:
-        def hook(ev):
-            if kill_on(ev):
-                os.kill(proc.pid, signal.SIGKILL)
-                return True
-        hub.hooks.append(hook)
-    try:
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if hook is not None:
-            hub.hooks.remove(hook)
-    return proc.returncode, out, err
+def _upload(args: list[str], hub: FakeHub, tmp: Path, kill_on=None):
+    env = client_env(hub, tmp / "hf", HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
+    return run_quantize(["upload", *args], env, hub, kill_on=kill_on, timeout=180)
 
 
 def _sent(log: list[dict]) -> list[dict]:
