@@ -157,7 +157,8 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
         gate_line=("passed" if passed else verdict) if info["report"] is not None else None,
         eval_rows=[{"task": r.task_name, "metric": r.metric_type, "value": r.metric_value}
                    for r in results],
-        commit=src.get("commit"), layout=src.get("layout", "?"), source_files=bool(source_files),
+        commit=src.get("commit"), layout=src.get("layout", "?"), source_note=src.get("demo"),
+        source_files=bool(source_files),
         license=lic)
     card.content = re.sub(r"\n{3,}", "\n\n", card.content)  # blank runs left by template tags
     return card
