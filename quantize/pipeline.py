@@ -1,7 +1,9 @@
 """``convert()``: stream a checkpoint shard by shard from FP8 (or dense) to NVFP4.
 
-Steps: open and validate the source -> decide every tensor -> per source shard, read lazily,
-quantize, write one output shard atomically -> index, config, carried files -> manifest.
+Steps: open and validate the source (a folder, or a Hub repo whose shards ``quantize.hub``
+fetches on first read and deletes after their last) -> decide every tensor -> check the free
+disk -> per source shard, read lazily, quantize, write one output shard atomically -> index,
+config, carried files -> manifest.
 Peak memory is one output shard plus the tensors of one fused group, whatever the model size.
 """
 

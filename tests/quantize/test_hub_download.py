@@ -6,6 +6,8 @@ import hashlib
 import json
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,8 +127,6 @@ def test_stream_within_two_shards_and_resume_after_kill(tmp_path):
 
 
 def test_offline_private_and_missing_shard(tmp_path):
-    from huggingface_hub import hf_hub_download
-
     src = layered_fp8(tmp_path / "src")
     hf_home = tmp_path / "hf"
     with FakeHub(token=TOKEN) as hub:
@@ -135,10 +135,11 @@ def test_offline_private_and_missing_shard(tmp_path):
         rc, _, err = run_quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o0")],
                                client_env(hub, hf_home), hub)
         assert rc == 1 and "HF_TOKEN" in err and REPO in err
-        # Fill the cache the way `hf download` does, then go offline.
-        for f in sorted(p.name for p in src.iterdir()):
-            hf_hub_download(REPO, f, revision="main", cache_dir=hf_home / "hub",
-                            endpoint=hub.url, token=TOKEN)
+        # Fill the cache with huggingface_hub (as `hf download` would), then go offline.
+        fill = ("import sys; from huggingface_hub import hf_hub_download as d; "
+                f"[d({REPO!r}, f) for f in sys.argv[1:]]")
+        subprocess.run([sys.executable, "-c", fill, *sorted(p.name for p in src.iterdir())],
+                       env=client_env(hub, hf_home, HF_TOKEN=TOKEN), check=True)
         blobs_before = sorted(p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir())
         n = len(hub.log)
         env = client_env(hub, hf_home, HF_HUB_OFFLINE="1")
