@@ -19,24 +19,32 @@ WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def _safe_member(folder: Path, rel: str, what: str, root: Path | None = None) -> str:
-    """Refuse index entries that point outside the folder (``..``, absolute, symlinks out of
-    ``root``, default the folder; a Hub cache snapshot links into its repo's ``blobs/``)."""
+def trusted_root(folder: Path) -> Path:
+    """Where links inside ``folder`` may point: the folder itself, or for a huggingface_hub
+    cache snapshot (``models--org--name/snapshots/<commit>``, whose files link to
+    ``../../blobs/<hash>``) the repo's cache folder."""
+    folder = Path(folder).resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith(("models--", "datasets--")):
+        return folder.parent.parent
+    return folder
+
+
+def _safe_member(folder: Path, rel: str, what: str) -> str:
+    """Refuse index entries that point outside the folder (``..``, absolute, symlinks out)."""
     p = Path(rel)
     if p.is_absolute() or ".." in p.parts or len(p.parts) != 1:
         raise SourceError(f"{what} names {rel!r}, which is not a file inside the source folder",
                           shard=rel)
     full = (folder / rel)
-    if full.is_symlink() and not full.resolve().is_relative_to(Path(root or folder).resolve()):
+    if full.is_symlink() and not full.resolve().is_relative_to(trusted_root(folder)):
         raise SourceError(f"{what} names {rel!r}, a link leading outside the source folder",
                           shard=rel)
     return rel
 
 
-def load_index(folder: Path, root: Path | None = None, check_files: bool = True) -> dict[str, str]:
+def load_index(folder: Path, check_files: bool = True) -> dict[str, str]:
     """Tensor name -> shard file name, from the index or a single ``model.safetensors``.
 
-    ``root``: folder that shard symlinks must resolve into (default ``folder``).
     ``check_files=False`` skips the on-disk check of the shards (a Hub source fetches them later).
 
     Raises:
@@ -50,8 +58,11 @@ def load_index(folder: Path, root: Path | None = None, check_files: bool = True)
             weight_map = json.loads(idx.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise SourceError(f"{INDEX_NAME} is malformed: {e}", key="weight_map") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise SourceError(f"{INDEX_NAME}: weight_map must map tensor names to shard file "
+                              "names", key="weight_map")
         for shard in set(weight_map.values()):
-            _safe_member(folder, shard, INDEX_NAME, root)
+            _safe_member(folder, shard, INDEX_NAME)
     elif (folder / SINGLE_NAME).exists():
         weight_map = {k: SINGLE_NAME for k in read_header(folder / SINGLE_NAME)}
     else:
@@ -95,10 +106,18 @@ def read_all_headers(folder: Path, weight_map: dict[str, str],
                 missing.append(f"{name} (index says {shard})")
             else:
                 infos[name] = header[name]
+        unlisted = sorted(n for n in header if weight_map.get(n) != shard)
+        missing += [f"{n} (in {shard}, not listed in the index)" for n in unlisted]
     if missing:
-        raise SourceError("index lists tensors that are not in their shard: " + "; ".join(missing),
+        raise SourceError("index and shard headers disagree: " + _first(missing),
                           tensor=missing[0].split(" ")[0])
     return infos
+
+
+def _first(items: list[str], n: int = 20) -> str:
+    """``a; b; ...`` for the first ``n`` items, then how many more."""
+    more = f"; ... and {len(items) - n} more" if len(items) > n else ""
+    return "; ".join(items[:n]) + more
 
 
 def write_json_atomic(obj: dict, path: Path) -> None:
@@ -109,8 +128,16 @@ def write_json_atomic(obj: dict, path: Path) -> None:
         tmp.write_text(json.dumps(obj, indent=2) + "\n")
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise OutputError(f"cannot write {path.name} in {path.parent}: {e}", key=path.name) from None
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temp file after a failed write; a failure to remove it is not the error."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def write_index(folder: Path, shards: list[str]) -> dict:
@@ -130,28 +157,34 @@ def write_index(folder: Path, shards: list[str]) -> dict:
     return index
 
 
-def carry_files(src: Path, out: Path, skip: set[str], root: Path | None = None) -> list[str]:
+def carry_files(src: Path, out: Path, skip: set[str]) -> list[str]:
     """Copy every non-weight file (tokenizer, chat template, generation config, license,
     custom code) from ``src`` to ``out``, keeping sub-folders; returns the relative paths.
 
     Weights (``*.safetensors``, pickles), the index and names in ``skip`` are not copied.
-    Custom code is copied as a file and never imported. Symlinks are followed only when they
-    resolve inside ``root`` (default ``src``; a Hub cache snapshot links into ``blobs/``).
+    Custom code is copied as a file and never imported.
     """
     src, out = Path(src), Path(out)
-    root = Path(root or src)
+    root = trusted_root(src)
+    # sub-folders that are checkpoints of their own (an earlier build kept beside the source)
+    nested = {p.parent for p in src.rglob("config.json") if p.parent != src}
     copied = []
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if (not p.is_file() or rel.parts[0].startswith(".") or p.suffix in WEIGHT_SUFFIXES
-                or p.suffix in PICKLE_SUFFIXES or str(rel) in skip or p.name == INDEX_NAME):
+                or p.suffix in PICKLE_SUFFIXES or str(rel) in skip or p.name == INDEX_NAME
+                or any(p.is_relative_to(n) for n in nested)):
             continue
-        if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
+        if p.is_symlink() and not p.resolve().is_relative_to(root):
             continue
         dest = out / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".tmp")
-        shutil.copyfile(p, tmp)
-        os.replace(tmp, dest)
+        try:
+            shutil.copyfile(p, tmp)
+            os.replace(tmp, dest)
+        except OSError as e:
+            _discard(tmp)
+            raise OutputError(f"cannot copy {rel} into {out}: {e}", key=str(rel)) from None
         copied.append(str(rel))
     return copied

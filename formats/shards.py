@@ -21,6 +21,8 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
                "U32": 4, "U64": 8}
 MAX_HEADER_BYTES = 100_000_000  # same bound safetensors itself enforces
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise SourceError(f"shard {name} is empty or truncated ({size} bytes)", shard=name)
     with open(path, "rb") as f:
         (hlen,) = struct.unpack("<Q", f.read(8))
-        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        if hlen > MAX_HEADER_BYTES:
+            raise SourceError(f"shard {name}: header length {hlen} exceeds the {MAX_HEADER_BYTES}"
+                              "-byte limit safetensors allows", shard=name)
+        if 8 + hlen > size:
             raise SourceError(f"shard {name}: header length {hlen} exceeds the file ({size} bytes)",
                               shard=name)
         try:
@@ -73,8 +78,13 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     data_len = size - 8 - hlen
     out: dict[str, TensorInfo] = {}
     spans = []
+    if not isinstance(header, dict):
+        raise SourceError(f"shard {name}: header is not a JSON object", shard=name)
     for key, v in header.items():
         if key == "__metadata__":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                raise SourceError(f"shard {name}: __metadata__ must map strings to strings",
+                                  shard=name, key="__metadata__")
             continue
         try:
             dtype, shape, (start, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
@@ -159,10 +169,14 @@ def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
     try:
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(tmp),
                   metadata=metadata or {"format": "pt"})
+        os.chmod(tmp, 0o666 & ~_UMASK)  # readable like any other output file, not 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except Exception as e:  # OSError, or safetensors' own error on a failed write
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         raise OutputError(f"cannot write shard {path.name} in {path.parent}: {e}",
                           shard=path.name) from None

@@ -81,9 +81,8 @@ class ShardFiles:
     first read and delete it once no later shard reads it.
     """
 
-    def __init__(self, folder: Path, root: Path | None = None):
+    def __init__(self, folder: Path):
         self.folder = Path(folder)
-        self.root = Path(root or folder)  # symlinks inside the source must resolve in here
         self.check_on_open = True  # load_index checks that every shard file exists
 
     def header(self, shard: str) -> dict[str, TensorInfo]:
@@ -93,6 +92,15 @@ class ShardFiles:
     def path(self, shard: str) -> Path:
         """Local path of ``shard``, making it available first if needed."""
         return self.folder / shard
+
+    def identity(self, shard: str) -> list:
+        """What says a shard's bytes are unchanged (resume ledger): [size, mtime_ns].
+
+        Raises:
+            OSError: the file is gone.
+        """
+        st = (self.folder / shard).stat()
+        return [st.st_size, st.st_mtime_ns]
 
     def release(self, shard: str) -> None:
         """``shard`` will not be read again in this run (a no-op for a local folder)."""
@@ -152,14 +160,15 @@ class Source:
                 continue
             self.tensors[name] = LogicalTensor(name, info.shard, info.shape, info.dtype, scale)
         if problems:
+            more = [f"... and {len(problems) - 50} more"] if len(problems) > 50 else []
             raise SourceError(f"{len(problems)} problem(s) in {self.folder.name}:\n  "
-                              + "\n  ".join(problems), tensor=problems[0].split(" ")[2])
+                              + "\n  ".join(problems[:50] + more), tensor=problems[0].split(" ")[2])
 
     def _check_scale(self, w: TensorInfo, s: TensorInfo) -> str | None:
         if len(w.shape) != 2:
             return f"FP8 weight {w.name} in {w.shard} is {len(w.shape)}-D; expected 2-D"
         if s.dtype not in SCALE_DTYPES:
-            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32 or BF16"
+            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32, BF16 or F16"
         n, k = w.shape
         lay = self.layout
         if lay.block:
@@ -168,10 +177,11 @@ class Source:
         elif lay.group:
             ok = {(n, -(-k // lay.group))}
         else:  # tensor or channel strategy
-            ok = {(1,), (), (1, 1), (n, 1), (n,)}
+            ok = {(n, 1), (n,), (1,), (), (1, 1)}
         if tuple(s.shape) not in ok:
+            want = " or ".join(str(list(x)) for x in sorted(ok, key=len, reverse=True)[:2])
             return (f"scale {s.name} in {s.shard} has shape {list(s.shape)}; weight {w.name} "
-                    f"{n}x{k} needs {sorted(ok)[0]}")
+                    f"{n}x{k} needs {want}")
         return None
 
     @property
@@ -240,6 +250,9 @@ class Source:
 def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]:
     if not qc:
         return SourceKind.DENSE, None
+    if not isinstance(qc, dict):
+        raise SourceError("config.json quantization_config must be an object",
+                          key="quantization_config")
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -269,9 +282,17 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
         a = args[0]
         strategy = a.get("strategy")
         if strategy == "block":
-            return SourceKind.CT_FP8, _Fp8Layout("_scale", block=tuple(a["block_structure"]))
+            block = a.get("block_structure")
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise SourceError(f"FP8 block strategy needs block_structure [rows, cols], got {block!r}",
+                                  key="quantization_config.config_groups.weights.block_structure")
+            return SourceKind.CT_FP8, _Fp8Layout("_scale", block=tuple(block))
         if strategy == "group":
-            return SourceKind.CT_FP8, _Fp8Layout("_scale", group=int(a["group_size"]))
+            group = a.get("group_size")
+            if not (isinstance(group, int) and group > 0):
+                raise SourceError(f"FP8 group strategy needs a positive group_size, got {group!r}",
+                                  key="quantization_config.config_groups.weights.group_size")
+            return SourceKind.CT_FP8, _Fp8Layout("_scale", group=group)
         if strategy in ("tensor", "channel"):
             return SourceKind.CT_FP8, _Fp8Layout("_scale")
         raise SourceError(f"FP8 strategy {strategy!r} is not supported",
@@ -300,11 +321,13 @@ def open_source(folder: str | Path, files: ShardFiles | None = None) -> Source:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise SourceError(f"config.json is not valid JSON: {e}", key="config.json") from None
+    if not isinstance(config, dict):
+        raise SourceError("config.json must hold a JSON object", key="config.json")
     qc = config.get("quantization_config")
     if qc is None and isinstance(config.get("text_config"), dict):
         qc = config["text_config"].get("quantization_config")
     kind, layout = _layout_from_config(qc)
     files = files or ShardFiles(folder)
-    weight_map = load_index(folder, files.root, check_files=files.check_on_open)
+    weight_map = load_index(folder, check_files=files.check_on_open)
     infos = read_all_headers(folder, weight_map, files.header)
     return Source(folder, config, kind, layout, weight_map, infos, files)

@@ -46,9 +46,12 @@ FUSED_GROUP_RULES: tuple[FusedGroupRule, ...] = (
     _rule("w13", ("w1", "w3"), r".*\.experts\.\d+"),
 )
 
-_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|tok_embeddings|word_embeddings)$")
-_LM_HEAD = re.compile(r"(^|\.)(lm_head|shared_head\.head|output)$")
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|moe)\.(gate|router)$")
+_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_in|wte|wpe|tok_embeddings|word_embeddings|"
+                        r"embed_positions|position_embeddings)$")
+_LM_HEAD = re.compile(r"(^|\.)(lm_head|embed_out|shared_head\.head|output)$")
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|moe|feed_forward)\.(gate|router)$")
+# Qwen2-MoE / Qwen3-Next shared-expert gate: [1, hidden], a scalar gate per token.
+_SHARED_EXPERT_GATE = re.compile(r"\.shared_expert_gate$")
 _EH_PROJ = re.compile(r"\.eh_proj$")
 _VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|mm_projector|multi_modal_projector)(\.|$)")
 
@@ -97,6 +100,9 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
     ``e_score_correction_bias``; the substring "gate" alone never decides (``gate_proj`` is
     an ordinary Linear).
 
+    A router is also recognised when its MoE block has ``experts.*`` siblings, for configs
+    that do not state the expert count.
+
     Returns:
         one of ``embedding``, ``lm_head``, ``router``, ``mtp_eh_proj``, ``vision``, or None.
     """
@@ -108,8 +114,13 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
         return "vision"
     if _EH_PROJ.search(module):
         return "mtp_eh_proj"
+    if _SHARED_EXPERT_GATE.search(module):
+        return "router"
     if _ROUTER.search(module):
         n_exp = num_routed_experts(config)
-        if (n_exp is not None and shape[0] == n_exp) or f"{module}.e_score_correction_bias" in siblings:
+        block = module.rsplit(".", 1)[0]
+        if ((n_exp is not None and shape[0] == n_exp)
+                or f"{module}.e_score_correction_bias" in siblings
+                or (n_exp is None and any(n.startswith(f"{block}.experts.") for n in siblings))):
             return "router"
     return None

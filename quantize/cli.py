@@ -22,7 +22,7 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
 
     p = Path(src)
     if p.is_dir():
-        return p, {}, None, Path(out or f"{p.name}-NVFP4")
+        return p, {}, None, Path(out or f"{p.resolve().name}-NVFP4")
     if REPO_REF.match(src) and not p.exists():
         out_dir = Path(out or f"{src.split('@')[0].split('/')[1]}-NVFP4")
         source, info, fetcher = open_hub_source(src, out_dir, keep_source=keep_source)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (SparkQuantError, ValueError) as e:
+    except (SparkQuantError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -92,8 +92,9 @@ class HubShards(ShardFiles):
 
     def __init__(self, repo: str, commit: str, snapshot: Path, listing: dict[str, dict],
                  headers: dict[str, dict[str, TensorInfo]], state: Path, keep: bool):
-        super().__init__(snapshot, root=snapshot.parent.parent)  # models--org--name/
+        super().__init__(snapshot)
         self.check_on_open = False
+        self.root = snapshot.parent.parent  # models--org--name/
         self.repo, self.commit, self.listing, self.headers = repo, commit, listing, headers
         self.state, self.keep = Path(state), keep
         self.fetched: set[str] = set()  # shards this build downloaded (may delete)
@@ -107,6 +108,11 @@ class HubShards(ShardFiles):
 
     def header(self, shard: str) -> dict[str, TensorInfo]:
         return self.headers[shard]
+
+    def identity(self, shard: str) -> list:
+        """[size, sha256] from the Hub listing: the same bytes whether or not on disk."""
+        m = self.listing[shard]
+        return [m["size"], m.get("sha256") or m.get("blob_id")]
 
     def _on_disk(self, shard: str) -> bool:
         return (self.folder / shard).exists()
@@ -199,9 +205,8 @@ def _open_offline(repo: str, revision: str | None) -> tuple[Source, dict]:
 
     with hub_errors(repo, revision):
         folder = Path(snapshot_download(repo, revision=revision, local_files_only=True))
-    root = folder.parent.parent
     try:
-        source = open_source(folder, ShardFiles(folder, root=root))
+        source = open_source(folder)
     except SourceError as e:
         raise SourceError(f"offline (HF_HUB_OFFLINE=1) and the cached snapshot of {repo} is "
                           f"incomplete: {e}", shard=e.shard) from None

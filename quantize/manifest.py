@@ -31,42 +31,69 @@ def fingerprint(obj) -> str:
 
 
 class Ledger:
-    """Which output shards are finished, for ``--resume``."""
+    """Which output shards are finished, for ``--resume``.
+
+    Each entry records the output shard's sha256 and the (size, mtime_ns) of every source
+    shard it was computed from, so a re-downloaded or edited source shard is converted again.
+    """
 
     def __init__(self, out: Path, job: str, resume: bool):
         self.path = Path(out) / PROGRESS_NAME
         self.out = Path(out)
-        self.done: dict[str, str] = {}
-        self.amax: dict[str, float] = {}
+        self.done: dict[str, dict] = {}
+        self.amax: dict[str, dict] = {}  # source shard -> {"id": identity, "values": {name: hex}}
         if resume and self.path.exists():
-            data = json.loads(self.path.read_text())
-            if data.get("job") != job:
+            try:
+                data = json.loads(self.path.read_text())
+                job_seen, done = data["job"], data["shards"]
+                if not isinstance(done, dict):
+                    raise TypeError("shards is not an object")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise OutputError(f"resume ledger {self.path} is corrupt ({e}); delete it to "
+                                  "start this build over", key=PROGRESS_NAME) from None
+            if job_seen != job:
                 raise OutputError(
                     f"{out} holds a different build (options or source changed); use a new --out "
                     "or delete the folder", key=PROGRESS_NAME)
-            self.done = data.get("shards", {})
-            self.amax = {k: float.fromhex(v) for k, v in data.get("amax", {}).items()}
+            self.done = done
+            self.amax = data.get("amax") or {}
         self.job = job
         self._save()
 
-    def is_done(self, shard: str) -> bool:
-        """True when ``shard`` was finished by an earlier run and its bytes still match."""
-        want = self.done.get(shard)
+    def is_done(self, shard: str, sources: dict[str, list[int]]) -> bool:
+        """True when ``shard`` was finished by an earlier run from the same source files
+        (size and mtime) and its bytes still match."""
+        entry = self.done.get(shard)
         p = self.out / shard
-        return want is not None and p.is_file() and sha256_file(p) == want
+        return (isinstance(entry, dict) and entry.get("sources") == sources and p.is_file()
+                and sha256_file(p) == entry.get("sha256"))
 
-    def mark(self, shard: str, amax: dict[str, float] | None = None) -> str:
-        """Record ``shard`` as finished (its sha256) and the tensor amaxes known so far."""
+    def known_amax(self, identity) -> dict[str, float]:
+        """Recorded amax values (exact float32) of tensors whose source shard still has the
+        identity it had when they were read (``identity(shard)``, e.g. ShardFiles.identity)."""
+        out = {}
+        for shard, entry in self.amax.items():
+            try:
+                same = entry.get("id") == identity(shard)
+            except OSError:  # a local source shard that is gone: its values are not trusted
+                same = False
+            if same:
+                out.update({n: float.fromhex(v) for n, v in entry.get("values", {}).items()})
+        return out
+
+    def mark(self, shard: str, sources: dict[str, list], amax: dict[str, dict] | None = None) -> str:
+        """Record ``shard`` finished (sha256, source identities) and the amaxes known so far
+        (``{source shard: {"id": identity, "values": {tensor: float}}}``)."""
         digest = sha256_file(self.out / shard)
-        self.done[shard] = digest
-        self.amax.update(amax or {})
+        self.done[shard] = {"sha256": digest, "sources": sources}
+        for src, entry in (amax or {}).items():
+            self.amax[src] = {"id": entry["id"],
+                              "values": {n: float(v).hex() for n, v in sorted(entry["values"].items())}}
         self._save()
         return digest
 
     def _save(self) -> None:
-        write_json_atomic({"job": self.job, "shards": self.done,
-                           "amax": {k: float(v).hex() for k, v in sorted(self.amax.items())}},
-                          self.path)
+        write_json_atomic({"job": self.job, "shards": self.done, "amax": self.amax}, self.path)
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)

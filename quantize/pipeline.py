@@ -94,18 +94,85 @@ def _resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA device")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device (cpu, cuda, cuda:N or auto)") from None
 
 
 def _tied(config: dict) -> bool:
     return bool(config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False)))
 
 
-def _prepare_out(out: Path, resume: bool) -> None:
-    if out.exists() and any(out.iterdir()) and not resume:
-        raise OutputError(f"output folder {out} is not empty; pass --resume to continue a build "
-                          "or choose another --out", key=str(out))
-    out.mkdir(parents=True, exist_ok=True)
+def _prepare_out(src: Path, out: Path, resume: bool) -> None:
+    """Refuse an --out that would overwrite the source or an unrelated folder; on resume,
+    remove the files that mark a build complete before any shard is touched."""
+    s, o = src.resolve(), out.resolve()
+    if o == s or o.is_relative_to(s):
+        raise OutputError(f"--out {out} is the source folder or inside it; choose a folder "
+                          "outside the source", key=str(out))
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} exists and is not a folder", key=str(out))
+    if out.exists() and any(out.iterdir()):
+        ours = (out / PROGRESS_NAME).exists() or (out / MANIFEST_NAME).exists()
+        if not resume:
+            raise OutputError(f"output folder {out} is not empty; "
+                              + ("pass --resume to continue that build" if ours else
+                                 "choose another --out"), key=str(out))
+        if not ours:
+            raise OutputError(f"--resume: {out} holds no spark-quant build (no "
+                              f"{PROGRESS_NAME} or {MANIFEST_NAME}); refusing to write into it",
+                              key=str(out))
+        for name in (MANIFEST_NAME, INDEX_NAME, "config.json"):
+            (out / name).unlink(missing_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create --out {out}: {e}", key=str(out)) from None
+
+
+def _check_finite(name: str, t: torch.Tensor, source: Source) -> None:
+    """Refuse NaN / Inf in anything written from floating-point data (FP8 after dequant)."""
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        info = source.tensors[name]
+        what = "after dequantization " if info.is_fp8 else ""
+        bad = int((~torch.isfinite(t)).sum())
+        raise SourceError(f"tensor {name} in shard {info.shard} has {bad} NaN/Inf values "
+                          f"{what}; refusing to write a silent NaN", tensor=name, shard=info.shard)
+
+
+def _tied_head_duplicate(source: Source) -> bool:
+    """True when a tied model also stores ``lm_head.weight`` equal (bit for bit) to the
+    embedding: it can be dropped. A different stored head is what transformers uses (it
+    declines to tie differing tensors), so it is kept and the tie flag cleared (FC-23)."""
+    emb = next((n for n in source.tensors if n.endswith("embed_tokens.weight")), None)
+    if emb is None or "lm_head.weight" not in source.tensors:
+        return False
+    a, b = source.read("lm_head.weight"), source.read(emb)
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8)))
+
+
+def _set_tie(config: dict, value: bool) -> None:
+    for cfg in (config, config.get("text_config")):
+        if isinstance(cfg, dict) and "tie_word_embeddings" in cfg:
+            cfg["tie_word_embeddings"] = value
+
+
+def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> dict[str, list]:
+    """Identity (``ShardFiles.identity``: size and mtime_ns, or size and sha256 for a Hub
+    source) of every source shard the output ``shard`` is computed from: its own tensors, their
+    FP8 scales and their fused-group partners."""
+    files = {shard}
+    for t in source.tensors_in(shard):
+        names = [m + ".weight" for m in decisions[t.name].members] or [t.name]
+        for n in names:
+            lt = source.tensors.get(n)
+            if lt is not None:
+                files.add(lt.shard)
+                if lt.scale is not None:
+                    files.add(lt.scale.shard)
+    return {f: source.files.identity(f) for f in sorted(files)}
 
 
 class _Quantizer:
@@ -116,18 +183,19 @@ class _Quantizer:
         self.source, self.decisions, self.device = source, decisions, device
         self._amax = {n: torch.tensor(v, dtype=torch.float32) for n, v in (known_amax or {}).items()}
 
-    def amaxes(self) -> dict[str, float]:
-        """Every amax seen so far (float32 values as Python floats, exact)."""
-        return {n: float(a) for n, a in self._amax.items()}
+    def amaxes(self) -> dict[str, dict]:
+        """Every amax seen so far, by source shard with that shard's identity (for the ledger)."""
+        out: dict[str, dict] = {}
+        for n, a in self._amax.items():
+            shard = self.source.tensors[n].shard
+            if shard not in out:
+                out[shard] = {"id": self.source.files.identity(shard), "values": {}}
+            out[shard]["values"][n] = float(a)
+        return out
 
     def _load(self, name: str) -> torch.Tensor:
         w = self.source.read(name).to(torch.float32)
-        if not torch.isfinite(w).all():
-            t = self.source.tensors[name]
-            bad = int((~torch.isfinite(w)).sum())
-            raise SourceError(f"tensor {name} in shard {t.shard} has {bad} NaN/Inf values "
-                              "after dequantization; refusing to write a silent NaN",
-                              tensor=name, shard=t.shard)
+        _check_finite(name, w, self.source)
         self._amax[name] = w.abs().amax()
         return w
 
@@ -179,10 +247,16 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
     decisions = plan_tensors(source, rec)
     notes = []
     skip = set()
-    if _tied(source.config) and "lm_head.weight" in source.tensors:
-        skip.add("lm_head.weight")
-        notes.append("lm_head.weight dropped: tie_word_embeddings is true, the loader uses "
-                     "embed_tokens (FC-23)")
+    tied = _tied(source.config)
+    if tied and "lm_head.weight" in source.tensors:
+        if _tied_head_duplicate(source):
+            skip.add("lm_head.weight")
+            notes.append("lm_head.weight dropped: tie_word_embeddings is true and it equals "
+                         "embed_tokens bit for bit (FC-23)")
+        else:
+            tied = False
+            notes.append("lm_head.weight differs from embed_tokens although "
+                         "tie_word_embeddings is true: kept, and the flag set false (FC-23)")
     if source.dropped:
         notes.append(f"dropped {len(source.dropped)} FP8 activation/KV sidecars "
                      f"(e.g. {source.dropped[0]})")
@@ -194,12 +268,12 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
                        "decisions": {n: d.target.value for n, d in decisions.items()},
                        "source": source_info or {}})
-    _prepare_out(out, resume)
+    _prepare_out(src, out, resume)
     _bound_allocator()
     ledger = Ledger(out, job, resume)
     check_free_disk(out, predicted_output_bytes(source, decisions, writer, skip, set(ledger.done)),
                     source.files)
-    quant = _Quantizer(source, decisions, dev, ledger.amax)
+    quant = _Quantizer(source, decisions, dev, ledger.known_amax(source.files.identity))
     written, skipped, out_shards = 0, 0, []
     bytes_in = sum(i.nbytes for i in source.infos.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
@@ -212,7 +286,8 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             bar.update(shard_bytes)
             continue
         out_shards.append(shard)
-        if ledger.is_done(shard):
+        deps = _source_deps(source, decisions, shard)
+        if ledger.is_done(shard, deps):
             skipped += 1
             bar.update(shard_bytes)
             continue
@@ -224,14 +299,14 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
                 packed, scale, g = quant(t.name)
                 tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g))
                 elements += t.numel
-            elif d.target is Target.BF16:
-                tensors[t.name] = source.read(t.name).to(torch.bfloat16)
             else:
-                tensors[t.name] = source.read(t.name)
+                x = source.read(t.name)
+                _check_finite(t.name, x, source)
+                tensors[t.name] = x.to(torch.bfloat16) if d.target is Target.BF16 else x
         write_shard_atomic(tensors, out / shard)
         del tensors
         _release_freed_memory()
-        ledger.mark(shard, quant.amaxes())
+        ledger.mark(shard, deps, quant.amaxes())
         written += 1
         bar.update(shard_bytes)
     bar.close()
@@ -240,14 +315,15 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
     index = write_index(out, out_shards)
     ignore = sorted({module_of(n) for n, d in decisions.items()
                      if n not in skip and d.target is not Target.NVFP4 and module_of(n)})
-    if _tied(source.config) and "lm_head" not in ignore:
+    if tied and "lm_head" not in ignore:
         ignore.append("lm_head")  # the tied head is the unquantized embedding
     config = json.loads(json.dumps(source.config))
+    if _tied(source.config) and not tied:
+        _set_tie(config, False)
     (config.get("text_config") or {}).pop("quantization_config", None)
     config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
     write_json_atomic(config, out / "config.json")
-    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME},
-                          root=source.files.root)
+    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME})
     summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], elements,
                       time.perf_counter() - t0, written, skipped, sorted(ignore), notes)
     write_manifest(out, {

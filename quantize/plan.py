@@ -30,7 +30,7 @@ class Decision:
 
 def module_of(name: str) -> str | None:
     """Module name of a Linear-style weight (``x.y.weight`` -> ``x.y``), else None."""
-    return name[: -len(".weight")] if name.endswith(".weight") else None
+    return name[: -len(".weight")] if name.endswith(".weight") and len(name) > len(".weight") else None
 
 
 def _kept(t: LogicalTensor) -> Target:
@@ -50,7 +50,7 @@ def plan_tensors(source: Source, recipe: Recipe) -> dict[str, Decision]:
     out: dict[str, Decision] = {}
     for t in source.tensors.values():
         mod = module_of(t.name)
-        if mod is None or len(t.shape) != 2:
+        if mod is None or len(t.shape) != 2 or 0 in t.shape:
             out[t.name] = Decision(t.name, _kept(t), "not a Linear weight")
             continue
         role = archs.sensitive_role(mod, t.shape, config, names)

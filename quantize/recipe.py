@@ -38,7 +38,8 @@ class Rule:
             try:
                 re.compile(self.match[3:])
             except re.error as e:
-                raise RecipeError(f"rule {self.match!r}: bad regex ({e})", key=self.match) from None
+                raise RecipeError(f"recipe rule match {self.match!r} is not a valid regex ({e})",
+                                  key=self.match) from None
 
     def matches(self, module: str) -> bool:
         if self.match.startswith("re:"):
@@ -90,13 +91,13 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         raise RecipeError(f"recipe {name_or_path}: {e}", key=str(name_or_path)) from None
     rules = []
     for i, r in enumerate(data.get("rule", [])):
-        try:
-            rules.append(Rule(str(r["match"]), Target(r["target"])))
-        except KeyError as e:
-            raise RecipeError(f"recipe {name_or_path}: rule {i} lacks {e}", key=f"rule[{i}]") from None
-        except ValueError:
+        if not isinstance(r, dict) or "match" not in r or "target" not in r:
+            raise RecipeError(f"recipe {name_or_path}: rule {i} needs 'match' and 'target'",
+                              key=f"rule[{i}]")
+        if r["target"] not in {t.value for t in Target}:
             raise RecipeError(f"recipe {name_or_path}: rule {i} has unknown target "
-                              f"{r.get('target')!r} (valid: {', '.join(t.value for t in Target)})",
-                              key=f"rule[{i}].target") from None
+                              f"{r['target']!r} (valid: {', '.join(t.value for t in Target)})",
+                              key=f"rule[{i}].target")
+        rules.append(Rule(str(r["match"]), Target(r["target"])))
     return Recipe(str(data.get("name", p.stem)), tuple(rules), str(data.get("description", "")),
                   hashlib.sha256(text.encode()).hexdigest())
