@@ -225,3 +225,40 @@ def test_stream_releases_each_shard_after_its_last_reader(tmp_path):
     # written, before shard i+2 is fetched: never more than two shards held.
     assert files.events == [("fetch", "1"), ("fetch", "2"), ("release", "1"), ("fetch", "3"),
                             ("release", "2"), ("fetch", "4"), ("release", "3"), ("release", "4")]
+
+
+class _CrashAt(ShardFiles):
+    """Local shards; the first read of ``crash`` raises, like a run killed mid-build."""
+
+    def __init__(self, folder: Path, crash: str):
+        super().__init__(folder)
+        self.crash = crash
+
+    def path(self, shard: str) -> Path:
+        if shard == self.crash:
+            raise RuntimeError("interrupted")
+        return super().path(shard)
+
+
+def test_resume_reuses_only_amax_of_unchanged_source_shards(tmp_path):
+    from safetensors.torch import load_file
+
+    from formats.sources import open_source
+
+    src = layered_fp8(tmp_path / "src")
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="interrupted"):  # shard 1 done, killed in shard 2
+        convert(open_source(src, _CrashAt(src, SHARDS[2])), out, progress=False, device="cpu")
+    ledger = json.loads((out / PROGRESS_NAME).read_text())
+    up0 = "model.layers.0.mlp.up_proj.weight"  # in shard 2, fused with gate_proj in shard 1
+    assert up0 in ledger["amax"][SHARDS[1]]["values"]
+    # Shard 2 changes (up_proj of layer 0 doubled) before the resume: its recorded amax must not
+    # be reused, or the gate/up global scale of layer 0 would come from the old bytes.
+    t = load_file(str(src / SHARDS[1]))
+    t[up0 + "_scale_inv"] = t[up0 + "_scale_inv"] * 2
+    save_file(t, str(src / SHARDS[1]), metadata={"format": "pt"})
+    convert(src, out, resume=True, progress=False, device="cpu")
+    ref = tmp_path / "ref"
+    convert(src, ref, progress=False, device="cpu")
+    for name in SHARDS:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
