@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from quantize import cli
 from quantize.card import render_card, validate_card
@@ -53,10 +52,6 @@ def _sent(log: list[dict]) -> list[dict]:
     """Requests that create, upload or commit anything."""
     return [e for e in log if e["method"] == "PUT" or "/preupload/" in e["path"]
             or "/commit/" in e["path"] or "lfs/objects" in e["path"] or "repos/create" in e["path"]]
-
-
-def _meta(text: str) -> dict:
-    return yaml.safe_load(text.split("---\n")[1])
 
 
 def test_upload_publishes_build_then_card(build, tmp_path):
