@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from formats.shards import TensorInfo, read_header
@@ -41,8 +42,10 @@ def _safe_member(folder: Path, rel: str, what: str) -> str:
     return rel
 
 
-def load_index(folder: Path) -> dict[str, str]:
+def load_index(folder: Path, check_files: bool = True) -> dict[str, str]:
     """Tensor name -> shard file name, from the index or a single ``model.safetensors``.
+
+    ``check_files=False`` skips the on-disk check of the shards (a Hub source fetches them later).
 
     Raises:
         SourceError: no weights, unreadable index, an entry pointing outside the folder,
@@ -66,6 +69,8 @@ def load_index(folder: Path) -> dict[str, str]:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         hint = f" (found pickled weights {pickles}, which are never loaded)" if pickles else ""
         raise SourceError(f"{folder} has no {INDEX_NAME} or {SINGLE_NAME}{hint}")
+    if not check_files:
+        return dict(weight_map)
     bad = sorted({s for s in weight_map.values()
                   if not (folder / s).is_file() or (folder / s).stat().st_size == 0})
     if bad:
@@ -74,8 +79,13 @@ def load_index(folder: Path) -> dict[str, str]:
     return dict(weight_map)
 
 
-def read_all_headers(folder: Path, weight_map: dict[str, str]) -> dict[str, TensorInfo]:
+def read_all_headers(folder: Path, weight_map: dict[str, str],
+                     header_of: Callable[[str], dict[str, TensorInfo]] | None = None
+                     ) -> dict[str, TensorInfo]:
     """Read every shard header once and check the index against them.
+
+    ``header_of(shard)`` supplies a shard's header (default: ``read_header`` of the file in
+    ``folder``; a Hub source passes headers fetched with HTTP range requests).
 
     Returns:
         tensor name -> TensorInfo for every tensor the index lists.
@@ -86,8 +96,9 @@ def read_all_headers(folder: Path, weight_map: dict[str, str]) -> dict[str, Tens
     folder = Path(folder)
     infos: dict[str, TensorInfo] = {}
     missing = []
+    header_of = header_of or (lambda shard: read_header(folder / shard))
     for shard in sorted(set(weight_map.values())):
-        header = read_header(folder / shard)
+        header = header_of(shard)
         for name, s in weight_map.items():
             if s != shard:
                 continue

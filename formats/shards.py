@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,12 +122,15 @@ class ShardReader:
     """Lazy tensor reads from a folder of safetensors shards, a few open files at a time.
 
     Each ``get`` reads one tensor (safetensors ``safe_open``, memory-mapped), so memory holds
-    only what the caller keeps.
+    only what the caller keeps. ``locate(shard) -> Path`` says where a shard file is (default
+    ``folder / shard``); a Hub source passes one that downloads the shard on first use.
     """
 
-    def __init__(self, folder: Path, max_open: int = 4):
+    def __init__(self, folder: Path, max_open: int = 4,
+                 locate: Callable[[str], Path] | None = None):
         self.folder = Path(folder)
         self.max_open = max_open
+        self.locate = locate or (lambda shard: self.folder / shard)
         self._open: dict[str, object] = {}
 
     def get(self, shard: str, name: str) -> torch.Tensor:
@@ -135,13 +139,17 @@ class ShardReader:
         if h is None:
             if len(self._open) >= self.max_open:
                 self._open.pop(next(iter(self._open)))
-            h = safe_open(str(self.folder / shard), framework="pt", device="cpu")
+            h = safe_open(str(self.locate(shard)), framework="pt", device="cpu")
         self._open[shard] = h
         try:
             return h.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types
             raise SourceError(f"cannot read tensor {name} from shard {shard}: {e}", shard=shard,
                               tensor=name) from None
+
+    def drop(self, shard: str) -> None:
+        """Close ``shard`` (unmap it) so its file can be deleted."""
+        self._open.pop(shard, None)
 
     def close(self) -> None:
         self._open.clear()

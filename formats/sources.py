@@ -18,6 +18,7 @@ tensor named like the weight, read back as float32. Scale sidecars never leave t
 """
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -25,11 +26,11 @@ from pathlib import Path
 import torch
 
 from formats.checkpoint import load_index, read_all_headers
-from formats.shards import ShardReader, TensorInfo
+from formats.shards import ShardReader, TensorInfo, read_header
 from quantize.errors import SourceError
 from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast
 
-__all__ = ["SourceKind", "LogicalTensor", "Source", "open_source"]
+__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "open_source"]
 
 FP8_DTYPES = {"F8_E4M3"}
 SCALE_DTYPES = {"F32", "BF16", "F16"}
@@ -77,16 +78,57 @@ class _Fp8Layout:
     group: int | None = None
 
 
+class ShardFiles:
+    """Where a source's shard files are. This base class: already on disk in ``folder``.
+
+    ``quantize.hub.HubShards`` overrides it to take headers from the Hub, download a shard on
+    first read and delete it once no later shard reads it.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.check_on_open = True  # load_index checks that every shard file exists
+
+    def header(self, shard: str) -> dict[str, TensorInfo]:
+        """Header of ``shard`` (tensor name -> TensorInfo), without reading tensor data."""
+        return read_header(self.folder / shard)
+
+    def path(self, shard: str) -> Path:
+        """Local path of ``shard``, making it available first if needed."""
+        return self.folder / shard
+
+    def identity(self, shard: str) -> list:
+        """What says a shard's bytes are unchanged (resume ledger): [size, mtime_ns].
+
+        Raises:
+            OSError: the file is gone.
+        """
+        st = (self.folder / shard).stat()
+        return [st.st_size, st.st_mtime_ns]
+
+    def release(self, shard: str) -> None:
+        """``shard`` will not be read again in this run (a no-op for a local folder)."""
+
+    def finish(self) -> None:
+        """Every shard has been streamed."""
+
+    def to_fetch(self) -> dict[str, int]:
+        """Shard name -> bytes still to download before it can be read (none for a folder)."""
+        return {}
+
+
 class Source:
     """A validated source checkpoint folder with lazy, dequantizing reads."""
 
     def __init__(self, folder: Path, config: dict, kind: SourceKind, layout: _Fp8Layout | None,
-                 weight_map: dict[str, str], infos: dict[str, TensorInfo], has_data: bool = True):
+                 weight_map: dict[str, str], infos: dict[str, TensorInfo], has_data: bool = True,
+                 files: ShardFiles | None = None):
         self.folder, self.config, self.kind, self.layout = Path(folder), config, kind, layout
         self.weight_map, self.infos, self.has_data = weight_map, infos, has_data
+        self.files = files or ShardFiles(self.folder)
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
-        self._reader = ShardReader(self.folder, max_open=2)
+        self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path)
         self._build_logical()
 
     # ---- structure -------------------------------------------------------------------
@@ -154,6 +196,35 @@ class Source:
     def tensors_in(self, shard: str) -> list[LogicalTensor]:
         """Logical tensors whose data lives in ``shard`` (their scale may live elsewhere)."""
         return [t for t in self.tensors.values() if t.shard == shard]
+
+    def reads_of(self, shard: str) -> set[str]:
+        """Shards read to convert the tensors of ``shard``: their data and scale sidecars.
+
+        Fused-group partners in other shards are not listed: the converter keeps their amax
+        (in memory and in its resume ledger) once it has read them.
+        """
+        out = {shard}
+        for t in self.tensors_in(shard):
+            out.add(t.shard)
+            if t.scale is not None:
+                out.add(t.scale.shard)
+        return out
+
+    def stream(self) -> Iterator[str]:
+        """Yield shard names in index order. When the caller moves on from a shard, every
+        shard that no later shard reads is closed and handed to ``files.release`` (a Hub
+        source deletes it), so only the current shard and its cross-shard partners stay on
+        disk. ``files.finish()`` runs after the last shard."""
+        order = self.shards
+        reads = {s: self.reads_of(s) for s in order}
+        for i, shard in enumerate(order):
+            yield shard
+            later = set().union(*(reads[s] for s in order[i + 1:]))
+            for s in order:
+                if s not in later:
+                    self._reader.drop(s)
+                    self.files.release(s)
+        self.files.finish()
 
     # ---- reads -----------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
@@ -268,12 +339,13 @@ def _open_descriptor(path: Path) -> Source:
     return Source(path, config, kind, layout, {n: path.name for n in infos}, infos, has_data=False)
 
 
-def open_source(folder: str | Path) -> Source:
+def open_source(folder: str | Path, files: ShardFiles | None = None) -> Source:
     """Open and validate a source folder (config, index, every shard header, FP8 pairs), or
     a header-only descriptor ``*.json`` (see module docstring).
 
     Every check runs before any tensor data is read; all findings of one kind are reported
-    together.
+    together. ``files`` says where shards are and supplies their headers (default: all in
+    ``folder``; ``quantize.hub`` passes one backed by the Hub and its cache).
 
     Raises:
         SourceError: naming the file, key, shard or tensor at fault.
@@ -296,6 +368,7 @@ def open_source(folder: str | Path) -> Source:
     if qc is None and isinstance(config.get("text_config"), dict):
         qc = config["text_config"].get("quantization_config")
     kind, layout = _layout_from_config(qc)
-    weight_map = load_index(folder)
-    infos = read_all_headers(folder, weight_map)
-    return Source(folder, config, kind, layout, weight_map, infos)
+    files = files or ShardFiles(folder)
+    weight_map = load_index(folder, check_files=files.check_on_open)
+    infos = read_all_headers(folder, weight_map, files.header)
+    return Source(folder, config, kind, layout, weight_map, infos, files=files)

@@ -5,8 +5,10 @@
   digests), the tool version, the recipe and its hash, and the conversion summary. It holds
   no timestamps, so an interrupted-then-resumed build is byte-identical to a clean one.
 - ``.spark-quant-progress.json`` is the ledger of finished output shards while a build runs:
-  the job fingerprint (options + source headers + decisions) and each shard's sha256. It is
-  removed when the build completes.
+  the job fingerprint (options + source headers + decisions) and each shard's sha256, plus the
+  amax of every tensor read so far (float32 as ``float.hex``, exact), so a resumed run gets a
+  fused group's shared global scale without re-reading (or re-downloading) finished shards.
+  It is removed when the build completes.
 """
 
 import hashlib
@@ -39,6 +41,7 @@ class Ledger:
         self.path = Path(out) / PROGRESS_NAME
         self.out = Path(out)
         self.done: dict[str, dict] = {}
+        self.amax: dict[str, dict] = {}  # source shard -> {"id": identity, "values": {name: hex}}
         if resume and self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
@@ -53,6 +56,7 @@ class Ledger:
                     f"{out} holds a different build (options or source changed); use a new --out "
                     "or delete the folder", key=PROGRESS_NAME)
             self.done = done
+            self.amax = data.get("amax") or {}
         self.job = job
         self._save()
 
@@ -64,14 +68,32 @@ class Ledger:
         return (isinstance(entry, dict) and entry.get("sources") == sources and p.is_file()
                 and sha256_file(p) == entry.get("sha256"))
 
-    def mark(self, shard: str, sources: dict[str, list[int]]) -> str:
+    def known_amax(self, identity) -> dict[str, float]:
+        """Recorded amax values (exact float32) of tensors whose source shard still has the
+        identity it had when they were read (``identity(shard)``, e.g. ShardFiles.identity)."""
+        out = {}
+        for shard, entry in self.amax.items():
+            try:
+                same = entry.get("id") == identity(shard)
+            except OSError:  # a local source shard that is gone: its values are not trusted
+                same = False
+            if same:
+                out.update({n: float.fromhex(v) for n, v in entry.get("values", {}).items()})
+        return out
+
+    def mark(self, shard: str, sources: dict[str, list], amax: dict[str, dict] | None = None) -> str:
+        """Record ``shard`` finished (sha256, source identities) and the amaxes known so far
+        (``{source shard: {"id": identity, "values": {tensor: float}}}``)."""
         digest = sha256_file(self.out / shard)
         self.done[shard] = {"sha256": digest, "sources": sources}
+        for src, entry in (amax or {}).items():
+            self.amax[src] = {"id": entry["id"],
+                              "values": {n: float(v).hex() for n, v in sorted(entry["values"].items())}}
         self._save()
         return digest
 
     def _save(self) -> None:
-        write_json_atomic({"job": self.job, "shards": self.done}, self.path)
+        write_json_atomic({"job": self.job, "shards": self.done, "amax": self.amax}, self.path)
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -1,10 +1,12 @@
 """``convert()``: stream a checkpoint shard by shard from FP8 (or dense) to NVFP4.
 
-Steps: open and validate the source -> decide every tensor (``quantize.plan``, recipe, TP /
-engine alignment) -> per source shard, read lazily, quantize (NVFP4 in the output format's
-arithmetic order, block FP8 passed through, MXFP8), check the shard against the planned
-layout, write it atomically -> index, config (+ hf_quant_config.json for ModelOpt), carried
-files -> ``quantize check`` -> manifest (only when the check has no error).
+Steps: open and validate the source (a folder, or a Hub repo whose shards ``quantize.hub``
+fetches on first read and deletes after their last) -> decide every tensor (``quantize.plan``,
+recipe, TP / engine alignment) -> check the free disk -> per source shard, read lazily,
+quantize (NVFP4 in the output format's arithmetic order, block FP8 passed through, MXFP8),
+check the shard against the planned layout, write it atomically -> index, config
+(+ hf_quant_config.json for ModelOpt), carried files -> ``quantize check`` -> manifest (only
+when the check has no error).
 Peak memory is one output shard plus the tensors of one fused group, whatever the model size.
 """
 
@@ -23,6 +25,7 @@ from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_
 from formats.shards import dtype_name, write_shard_atomic
 from formats.sources import Source, open_source
 from quantize import __version__
+from quantize.budget import check_free_disk, predicted_output_bytes
 from quantize.errors import CheckFailed, OutputError, SourceError
 from quantize.kernels.fp8 import quantize_fp8_block
 from quantize.kernels.mxfp8 import quantize_mxfp8
@@ -148,9 +151,10 @@ def _set_tie(config: dict, value: bool) -> None:
             cfg["tie_word_embeddings"] = value
 
 
-def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> dict[str, list[int]]:
-    """(size, mtime_ns) of every source shard the output ``shard`` is computed from: its own
-    tensors, their FP8 scales and their fused-group partners."""
+def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> dict[str, list]:
+    """Identity (``ShardFiles.identity``: size and mtime_ns, or size and sha256 for a Hub
+    source) of every source shard the output ``shard`` is computed from: its own tensors, their
+    FP8 scales and their fused-group partners."""
     files = {shard}
     for t in source.tensors_in(shard):
         names = [m + ".weight" for m in decisions[t.name].members] or [t.name]
@@ -160,7 +164,7 @@ def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> 
                 files.add(lt.shard)
                 if lt.scale is not None:
                     files.add(lt.scale.shard)
-    return {f: [(st := (source.folder / f).stat()).st_size, st.st_mtime_ns] for f in sorted(files)}
+    return {f: source.files.identity(f) for f in sorted(files)}
 
 
 class _Quantizer:
@@ -168,13 +172,24 @@ class _Quantizer:
 
     NVFP4 uses the output format's arithmetic order (``writer.NVFP4_ORDER``): the
     compressed-tensors quantize-direction global scale, or ModelOpt's dequant-direction
-    ``scale_2``; both scalars come from the same fused-group amax.
+    ``scale_2``; both scalars come from the same fused-group amax. ``known_amax`` holds the
+    amax values an interrupted run already measured (from the resume ledger).
     """
 
     def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device,
-                 order: str = "global"):
+                 order: str = "global", known_amax: dict[str, float] | None = None):
         self.source, self.decisions, self.device, self.order = source, decisions, device, order
-        self._amax: dict[str, torch.Tensor] = {}
+        self._amax = {n: torch.tensor(v, dtype=torch.float32) for n, v in (known_amax or {}).items()}
+
+    def amaxes(self) -> dict[str, dict]:
+        """Every amax seen so far, by source shard with that shard's identity (for the ledger)."""
+        out: dict[str, dict] = {}
+        for n, a in self._amax.items():
+            shard = self.source.tensors[n].shard
+            if shard not in out:
+                out[shard] = {"id": self.source.files.identity(shard), "values": {}}
+            out[shard]["values"][n] = float(a)
+        return out
 
     def _load(self, name: str) -> torch.Tensor:
         w = self.source.read(name).to(torch.float32)
@@ -221,7 +236,7 @@ def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tup
         raise OutputError(f"internal: shard {shard} does not match the planned layout: {diff}", shard=shard)
 
 
-def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
+def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
             resume: bool = False, progress: bool = True, source_info: dict | None = None,
             tp: int = 1, engine: str = "vllm") -> Summary:
@@ -229,7 +244,7 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
 
     Args:
         src: folder with config.json and safetensors shards (block FP8, compressed-tensors
-            FP8, or dense).
+            FP8, or dense), or an opened ``Source`` (``quantize.hub`` streams one from the Hub).
         out: output folder; must be empty unless ``resume``.
         scheme: ``w4a16`` (weight-only NVFP4).
         fmt: output layout, see ``formats.OutputFormat``.
@@ -241,19 +256,21 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             ``quantize check`` apply.
         resume: skip output shards the ledger records as finished (sha256 checked); the
             final folder is byte-identical to an uninterrupted run.
-        source_info: extra provenance (repo id, revision) recorded in the manifest.
+        source_info: extra provenance (repo id, commit, file hashes) recorded in the manifest
+            and part of the resume fingerprint.
 
     Returns:
         Summary of the run.
 
     Raises:
-        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named.
+        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named;
+            OutputError also when the free disk cannot hold the rest of the build.
         CheckFailed: ``quantize check`` found errors in the written build (no manifest is
             written, so the folder is not a finished build).
     """
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
-    source = open_source(src)
+    source = src if isinstance(src, Source) else open_source(src)
+    src, out = source.folder, Path(out)
     rec = load_recipe(recipe)
     writer = get_writer(fmt)
     dev = _resolve_device(device)
@@ -279,17 +296,21 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256,
                "tp": tp, "engine": engine}
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
-                       "decisions": {n: d.target.value for n, d in decisions.items()}})
+                       "decisions": {n: d.target.value for n, d in decisions.items()},
+                       "source": source_info or {}})
     _prepare_out(src, out, resume)
     _bound_allocator()
     ledger = Ledger(out, job, resume)
-    quant = _Quantizer(source, decisions, dev, writer.NVFP4_ORDER)
+    check_free_disk(out, predicted_output_bytes(source, predicted, set(ledger.done)),
+                    source.files)
+    quant = _Quantizer(source, decisions, dev, writer.NVFP4_ORDER,
+                       ledger.known_amax(source.files.identity))
     written, skipped, out_shards = 0, 0, []
     bytes_in = sum(i.nbytes for i in source.infos.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
     elements = 0
     bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    for shard in source.shards:
+    for shard in source.stream():
         members = [t for t in source.tensors_in(shard) if t.name not in skip]
         shard_bytes = sum(i.nbytes for i in source.infos.values() if i.shard == shard)
         if not members:
@@ -323,7 +344,7 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         write_shard_atomic(tensors, out / shard)
         del tensors
         _release_freed_memory()
-        ledger.mark(shard, deps)
+        ledger.mark(shard, deps, quant.amaxes())
         written += 1
         bar.update(shard_bytes)
     bar.close()
