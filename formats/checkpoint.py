@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from formats.shards import TensorInfo, discard, is_temp_name, read_header
@@ -46,7 +47,8 @@ def _unsafe_member(folder: Path, rel, what: str) -> str | None:
     return None
 
 
-def scan_index(folder: Path) -> tuple[dict[str, str], list[Finding], set[str]]:
+def scan_index(folder: Path, check_files: bool = True
+               ) -> tuple[dict[str, str], list[Finding], set[str]]:
     """Tensor name -> shard file name, from the index or a single ``model.safetensors``,
     with every problem found (not just the first).
 
@@ -55,7 +57,8 @@ def scan_index(folder: Path) -> tuple[dict[str, str], list[Finding], set[str]]:
         existing, non-empty file; findings (kind ``index``) list unreadable indexes, entries
         pointing outside the folder, missing or empty shard files (all at once), and
         pickled weights that are never loaded; ``listed`` is every tensor name the index
-        lists, usable shard or not.
+        lists, usable shard or not. ``check_files=False`` skips the on-disk check of the
+        shards (a Hub source fetches them later).
     """
     folder = Path(folder)
     findings: list[Finding] = []
@@ -88,6 +91,7 @@ def scan_index(folder: Path) -> tuple[dict[str, str], list[Finding], set[str]]:
             bad.add(shard)
             findings.append(Finding("error", "index", why, shard=shard))
     missing = sorted({s for s in weight_map.values() if s not in bad and isinstance(s, str)
+                      and check_files
                       and (not (folder / s).is_file() or (folder / s).stat().st_size == 0)})
     if missing:
         findings.append(Finding("error", "index", "index names shard files that are missing or "
@@ -99,20 +103,25 @@ def scan_index(folder: Path) -> tuple[dict[str, str], list[Finding], set[str]]:
     return {k: v for k, v in weight_map.items() if v not in skip}, findings, set(weight_map)
 
 
-def load_index(folder: Path) -> dict[str, str]:
+def load_index(folder: Path, check_files: bool = True) -> dict[str, str]:
     """Tensor name -> shard file name (see :func:`scan_index`).
 
     Raises:
         SourceError: no weights, unreadable index, an entry pointing outside the folder,
             or shard files that are missing or empty (all listed at once, before any read).
     """
-    weight_map, findings, _ = scan_index(folder)
+    weight_map, findings, _ = scan_index(folder, check_files)
     raise_findings(findings, Path(folder).name)
     return weight_map
 
 
-def scan_headers(folder: Path, weight_map: dict[str, str]) -> tuple[dict[str, TensorInfo], list[Finding]]:
+def scan_headers(folder: Path, weight_map: dict[str, str],
+                 header_of: Callable[[str], dict[str, TensorInfo]] | None = None
+                 ) -> tuple[dict[str, TensorInfo], list[Finding]]:
     """Read every shard header once and check the index against them, collecting problems.
+
+    ``header_of(shard)`` supplies a shard's header (default: ``read_header`` of the file in
+    ``folder``; a Hub source passes headers fetched with HTTP range requests).
 
     Returns:
         ``(infos, findings)``: TensorInfo for every listed tensor found in a readable
@@ -123,12 +132,13 @@ def scan_headers(folder: Path, weight_map: dict[str, str]) -> tuple[dict[str, Te
     folder = Path(folder)
     infos: dict[str, TensorInfo] = {}
     findings: list[Finding] = []
+    header_of = header_of or (lambda shard: read_header(folder / shard))
     by_shard: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         by_shard.setdefault(shard, []).append(name)
     for shard in sorted(by_shard):
         try:
-            header = read_header(folder / shard)
+            header = header_of(shard)
         except SourceError as e:
             findings.append(Finding.of(e, "header"))
             continue
@@ -144,14 +154,16 @@ def scan_headers(folder: Path, weight_map: dict[str, str]) -> tuple[dict[str, Te
     return infos, findings
 
 
-def read_all_headers(folder: Path, weight_map: dict[str, str]) -> dict[str, TensorInfo]:
+def read_all_headers(folder: Path, weight_map: dict[str, str],
+                     header_of: Callable[[str], dict[str, TensorInfo]] | None = None
+                     ) -> dict[str, TensorInfo]:
     """Every listed tensor's TensorInfo (see :func:`scan_headers`).
 
     Raises:
         SourceError: unreadable headers and index entries missing from their shard (FC-21a),
             all listed.
     """
-    infos, findings = scan_headers(folder, weight_map)
+    infos, findings = scan_headers(folder, weight_map, header_of)
     raise_findings(findings, Path(folder).name)
     return infos
 

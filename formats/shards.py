@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 from quantize.errors import OutputError, SourceError
 
 __all__ = ["TensorInfo", "read_header", "ShardReader", "write_shard_atomic", "sha256_file",
-           "DTYPE_BYTES", "TORCH_DTYPES", "discard", "is_temp_name"]
+           "DTYPE_BYTES", "TORCH_DTYPES", "dtype_name", "discard", "is_temp_name"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
@@ -27,6 +28,12 @@ TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
                 "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32,
                 "U64": torch.uint64}
+_TORCH_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors header dtype string of a torch dtype (``torch.float8_e4m3fn`` -> ``F8_E4M3``)."""
+    return _TORCH_NAMES[dtype]
 
 
 @dataclass(frozen=True)
@@ -149,11 +156,15 @@ class ShardReader:
     is truncated while open (a re-download, a full disk elsewhere) gives a short read and a
     clear error instead of a SIGBUS that kills the process without a message. Before each
     read the file's size and mtime are compared with those seen when its header was parsed.
+    ``locate(shard) -> Path`` says where a shard file is (default ``folder / shard``); a Hub
+    source passes one that downloads the shard on first use.
     """
 
-    def __init__(self, folder: Path, max_open: int = 4):
+    def __init__(self, folder: Path, max_open: int = 4,
+                 locate: Callable[[str], Path] | None = None):
         self.folder = Path(folder)
         self.max_open = max_open
+        self.locate = locate or (lambda shard: self.folder / shard)
         self._open: dict[str, tuple[int, os.stat_result, dict[str, TensorInfo]]] = {}
 
     def _handle(self, shard: str):
@@ -161,8 +172,9 @@ class ShardReader:
         if h is None:
             if len(self._open) >= self.max_open:
                 os.close(self._open.pop(next(iter(self._open)))[0])
-            header = read_header(self.folder / shard)
-            fd = os.open(self.folder / shard, os.O_RDONLY)
+            path = self.locate(shard)
+            header = read_header(path)
+            fd = os.open(path, os.O_RDONLY)
             h = (fd, os.fstat(fd), header)
         self._open[shard] = h
         return h
@@ -204,6 +216,12 @@ class ShardReader:
                     "--resume", shard=shard, tensor=name)
             got += n
         return buf.view(TORCH_DTYPES[info.dtype]).reshape(shape)
+
+    def drop(self, shard: str) -> None:
+        """Close ``shard`` so its file can be deleted."""
+        h = self._open.pop(shard, None)
+        if h is not None:
+            os.close(h[0])
 
     def close(self) -> None:
         for fd, _, _ in self._open.values():

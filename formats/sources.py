@@ -9,11 +9,16 @@
   quantization/lifecycle/initialize.py; formats_spec.md A.2]
 - dense: bf16 / fp16 / fp32 tensors, no ``quantization_config``.
 
+A *header-only descriptor* (``{"config": {...}, "tensors": {name: {"dtype": "F8_E4M3",
+"shape": [N, K]}}}``, one JSON file, e.g. from ``scripts/make_glm_fixture.py --size full``)
+opens as a Source with headers and no data: planning works, ``read`` raises.
+
 A *logical* tensor is what the model sees: an FP8 weight and its scale are one logical
 tensor named like the weight, read back as float32. Scale sidecars never leave this module.
 """
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -21,11 +26,11 @@ from pathlib import Path
 import torch
 
 from formats.checkpoint import scan_headers, scan_index
-from formats.shards import ShardReader, TensorInfo
+from formats.shards import ShardReader, TensorInfo, read_header
 from quantize.errors import Finding, SourceError, raise_findings
 from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast
 
-__all__ = ["SourceKind", "LogicalTensor", "Source", "inspect_source", "open_source"]
+__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "inspect_source", "open_source"]
 
 FP8_DTYPES = {"F8_E4M3"}
 SCALE_DTYPES = {"F32", "BF16", "F16"}
@@ -73,6 +78,45 @@ class _Fp8Layout:
     group: int | None = None
 
 
+class ShardFiles:
+    """Where a source's shard files are. This base class: already on disk in ``folder``.
+
+    ``quantize.hub.HubShards`` overrides it to take headers from the Hub, download a shard on
+    first read and delete it once no later shard reads it.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.check_on_open = True  # load_index checks that every shard file exists
+
+    def header(self, shard: str) -> dict[str, TensorInfo]:
+        """Header of ``shard`` (tensor name -> TensorInfo), without reading tensor data."""
+        return read_header(self.folder / shard)
+
+    def path(self, shard: str) -> Path:
+        """Local path of ``shard``, making it available first if needed."""
+        return self.folder / shard
+
+    def identity(self, shard: str) -> list:
+        """What says a shard's bytes are unchanged (resume ledger): [size, mtime_ns].
+
+        Raises:
+            OSError: the file is gone.
+        """
+        st = (self.folder / shard).stat()
+        return [st.st_size, st.st_mtime_ns]
+
+    def release(self, shard: str) -> None:
+        """``shard`` will not be read again in this run (a no-op for a local folder)."""
+
+    def finish(self) -> None:
+        """Every shard has been streamed."""
+
+    def to_fetch(self) -> dict[str, int]:
+        """Shard name -> bytes still to download before it can be read (none for a folder)."""
+        return {}
+
+
 class Source:
     """A source checkpoint folder with lazy, dequantizing reads.
 
@@ -82,13 +126,15 @@ class Source:
     """
 
     def __init__(self, folder: Path, config: dict, kind: SourceKind, layout: _Fp8Layout | None,
-                 weight_map: dict[str, str], infos: dict[str, TensorInfo],
-                 unreadable: frozenset[str] = frozenset()):
+                 weight_map: dict[str, str], infos: dict[str, TensorInfo], has_data: bool = True,
+                 files: ShardFiles | None = None, unreadable: frozenset[str] = frozenset()):
         self.folder, self.config, self.kind, self.layout = Path(folder), config, kind, layout
-        self.weight_map, self.infos, self.unreadable = weight_map, infos, unreadable
+        self.weight_map, self.infos, self.has_data = weight_map, infos, has_data
+        self.unreadable = unreadable
+        self.files = files or ShardFiles(self.folder)
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
-        self._reader = ShardReader(self.folder, max_open=2)
+        self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path)
         self.findings = self._build_logical(unreadable)
 
     # ---- structure -------------------------------------------------------------------
@@ -159,14 +205,45 @@ class Source:
         """Logical tensors whose data lives in ``shard`` (their scale may live elsewhere)."""
         return [t for t in self.tensors.values() if t.shard == shard]
 
+    def reads_of(self, shard: str) -> set[str]:
+        """Shards read to convert the tensors of ``shard``: their data and scale sidecars.
+
+        Fused-group partners in other shards are not listed: the converter keeps their amax
+        (in memory and in its resume ledger) once it has read them.
+        """
+        out = {shard}
+        for t in self.tensors_in(shard):
+            out.add(t.shard)
+            if t.scale is not None:
+                out.add(t.scale.shard)
+        return out
+
+    def stream(self) -> Iterator[str]:
+        """Yield shard names in index order. When the caller moves on from a shard, every
+        shard that no later shard reads is closed and handed to ``files.release`` (a Hub
+        source deletes it), so only the current shard and its cross-shard partners stay on
+        disk. ``files.finish()`` runs after the last shard."""
+        order = self.shards
+        reads = {s: self.reads_of(s) for s in order}
+        for i, shard in enumerate(order):
+            yield shard
+            later = set().union(*(reads[s] for s in order[i + 1:]))
+            for s in order:
+                if s not in later:
+                    self._reader.drop(s)
+                    self.files.release(s)
+        self.files.finish()
+
     # ---- reads -----------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
         """Read a logical tensor. FP8 weights come back dequantized as float32 [N, K];
         everything else exactly as stored (dtype and bits unchanged).
 
         Raises:
-            SourceError: naming the tensor and shard when the bytes cannot be read.
+            SourceError: naming the tensor and shard when the bytes cannot be read, or when
+                the source is a header-only descriptor.
         """
+        self._require_data(name)
         t = self.tensors[name]
         raw = self._reader.get(t.shard, name)
         if t.scale is None:
@@ -178,12 +255,14 @@ class Source:
 
     def read_raw(self, name: str) -> torch.Tensor:
         """Read any stored tensor (weights or scale sidecars) exactly as stored."""
+        self._require_data(name)
         return self._reader.get(self.infos[name].shard, name)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a 2-D logical tensor, as :meth:`read` would give them
         (FP8 dequantized to float32 [stop - start, K]), reading only those rows and the
         scale rows they use."""
+        self._require_data(name)
         t = self.tensors[name]
         raw = self._reader.get(t.shard, name, rows=(start, stop))
         if t.scale is None:
@@ -198,6 +277,12 @@ class Source:
         s = (self._reader.get(t.scale.shard, t.scale.name, rows=(start, stop))
              if scale_rows == t.shape[0] and scale_rows > 1 else self.read_raw(t.scale.name))
         return dequantize_fp8_broadcast(raw, s, lay.group)
+
+    def _require_data(self, name: str) -> None:
+        if not self.has_data:
+            raise SourceError(f"cannot read {name}: {self.folder.name} is a header-only descriptor "
+                              "(no tensor data); it can be planned (recipe show, plan) but not "
+                              "converted", tensor=name, shard=self.folder.name)
 
     def close(self) -> None:
         self._reader.close()
@@ -257,6 +342,31 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
                       "float-quantized, or unquantized)", key="quantization_config.quant_method")
 
 
+def _open_descriptor(path: Path) -> Source:
+    """A header-only descriptor file as a Source without data (every tensor's shard is the
+    descriptor's file name)."""
+    try:
+        data = json.loads(path.read_text())
+        config, tensors = data["config"], data["tensors"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SourceError(f"{path.name} is not a descriptor "
+                          f'{{"config": {{...}}, "tensors": {{...}}}}: {e}', key=path.name) from None
+    infos = {}
+    for name, spec in tensors.items():
+        try:
+            info = TensorInfo(name, path.name, spec["dtype"], tuple(int(d) for d in spec["shape"]))
+            info.nbytes  # noqa: B018  (unknown dtype -> KeyError)
+        except (KeyError, TypeError, ValueError):
+            raise SourceError(f"{path.name}: tensor {name} needs a known dtype and an integer shape, "
+                              f"got {spec!r}", tensor=name, shard=path.name) from None
+        infos[name] = info
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc = config["text_config"].get("quantization_config")
+    kind, layout = _layout_from_config(qc)
+    return Source(path, config, kind, layout, {n: path.name for n in infos}, infos, has_data=False)
+
+
 def _read_config(folder: Path) -> tuple[dict, list[Finding]]:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -272,16 +382,22 @@ def _read_config(folder: Path) -> tuple[dict, list[Finding]]:
     return config, []
 
 
-def inspect_source(folder: str | Path) -> tuple["Source | None", list[Finding]]:
-    """Open a source folder and collect every structural problem, of every kind, at once:
-    config.json and its ``quantization_config``, the index (entries outside the folder,
-    missing or empty shards), every shard header, index vs headers, FP8 weight/scale pairs.
-    No tensor data is read.
+def inspect_source(folder: str | Path, files: ShardFiles | None = None
+                   ) -> tuple["Source | None", list[Finding]]:
+    """Open a source folder (or a header-only descriptor ``*.json``) and collect every
+    structural problem, of every kind, at once: config.json and its ``quantization_config``,
+    the index (entries outside the folder, missing or empty shards), every shard header,
+    index vs headers, FP8 weight/scale pairs. No tensor data is read. ``files`` says where
+    shards are and supplies their headers (default: all in ``folder``; ``quantize.hub``
+    passes one backed by the Hub and its cache).
 
     Returns:
         ``(source, findings)``; source is None when the config or index is unusable.
     """
     folder = Path(folder)
+    if folder.is_file() and folder.suffix == ".json":
+        source = _open_descriptor(folder)
+        return source, source.findings
     if not folder.is_dir():
         return None, [Finding("error", "config", f"source folder {folder} does not exist")]
     config, findings = _read_config(folder)
@@ -296,18 +412,21 @@ def inspect_source(folder: str | Path) -> tuple["Source | None", list[Finding]]:
         except SourceError as e:
             findings.append(Finding.of(e, "config"))
             layout_ok = False
-    weight_map, idx_findings, listed = scan_index(folder)
-    infos, hdr_findings = scan_headers(folder, weight_map)
+    files = files or ShardFiles(folder)
+    weight_map, idx_findings, listed = scan_index(folder, check_files=files.check_on_open)
+    infos, hdr_findings = scan_headers(folder, weight_map, files.header)
     findings += idx_findings + hdr_findings
     if not layout_ok or not weight_map:
         return None, findings
     unreadable = frozenset(n for n in listed if n not in infos)
-    source = Source(folder, config, kind, layout, weight_map, infos, unreadable)
+    source = Source(folder, config, kind, layout, weight_map, infos, files=files,
+                    unreadable=unreadable)
     return source, findings + source.findings
 
 
-def open_source(folder: str | Path) -> Source:
-    """Open and validate a source folder: config, index, every shard header, FP8 pairs.
+def open_source(folder: str | Path, files: ShardFiles | None = None) -> Source:
+    """Open and validate a source folder (config, index, every shard header, FP8 pairs), or
+    a header-only descriptor ``*.json`` (see module docstring).
 
     Every check runs before any tensor data is read; all findings, of every kind, are
     reported together (see :func:`inspect_source`).
@@ -315,6 +434,6 @@ def open_source(folder: str | Path) -> Source:
     Raises:
         SourceError: listing each problem with the file, key, shard or tensor at fault.
     """
-    source, findings = inspect_source(folder)
+    source, findings = inspect_source(folder, files)
     raise_findings(findings, Path(folder).name)
     return source

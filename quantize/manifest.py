@@ -5,10 +5,12 @@
   digests), the tool version, the recipe and its hash, and the conversion summary. It holds
   no timestamps, so an interrupted-then-resumed build is byte-identical to a clean one.
 - ``.spark-quant-progress.json`` is the ledger of finished output shards while a build runs:
-  the job fingerprint (options + source headers + decisions), each shard's sha256 and source
-  files, and the per-shard data findings (all-zero tensors, block scales at the e4m3 floor) so that a resumed
-  build reports the same notes as an uninterrupted one. It is removed when the build
-  completes.
+  the job fingerprint (options + source headers + decisions) and each shard's sha256, plus the
+  amax of every tensor read so far (float32 as ``float.hex``, exact), so a resumed run gets a
+  fused group's shared global scale without re-reading (or re-downloading) finished shards,
+  and each finished shard's data findings (all-zero weights, block scales at the e4m3 floor)
+  so a resumed build reports the same notes as an uninterrupted one. It is removed when the
+  build completes.
 
 Every string in the manifest passes through ``quantize.redact`` (no tokens in manifests).
 """
@@ -37,15 +39,15 @@ def fingerprint(obj) -> str:
 class Ledger:
     """Which output shards are finished, for ``--resume``.
 
-    Each entry records the output shard's sha256, the (size, mtime_ns) of every source
-    shard it was computed from, so a re-downloaded or edited source shard is converted again,
-    and the shard's data findings.
+    Each entry records the output shard's sha256 and the (size, mtime_ns) of every source
+    shard it was computed from, so a re-downloaded or edited source shard is converted again.
     """
 
     def __init__(self, out: Path, job: str, resume: bool):
         self.path = Path(out) / PROGRESS_NAME
         self.out = Path(out)
         self.done: dict[str, dict] = {}
+        self.amax: dict[str, dict] = {}  # source shard -> {"id": identity, "values": {name: hex}}
         if resume and self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
@@ -60,6 +62,7 @@ class Ledger:
                     f"{out} holds a different build (options or source changed); use a new --out "
                     "or delete the folder", key=PROGRESS_NAME)
             self.done = done
+            self.amax = data.get("amax") or {}
         self.job = job
         self._save()
 
@@ -71,11 +74,29 @@ class Ledger:
         return (isinstance(entry, dict) and entry.get("sources") == sources and p.is_file()
                 and sha256_file(p) == entry.get("sha256"))
 
-    def mark(self, shard: str, sources: dict[str, list[int]], stats: dict | None = None) -> str:
-        """Record ``shard`` as finished: its sha256, the source files it came from and its
-        data findings ``stats`` (reported again by a resumed run)."""
+    def known_amax(self, identity) -> dict[str, float]:
+        """Recorded amax values (exact float32) of tensors whose source shard still has the
+        identity it had when they were read (``identity(shard)``, e.g. ShardFiles.identity)."""
+        out = {}
+        for shard, entry in self.amax.items():
+            try:
+                same = entry.get("id") == identity(shard)
+            except OSError:  # a local source shard that is gone: its values are not trusted
+                same = False
+            if same:
+                out.update({n: float.fromhex(v) for n, v in entry.get("values", {}).items()})
+        return out
+
+    def mark(self, shard: str, sources: dict[str, list], amax: dict[str, dict] | None = None,
+             stats: dict | None = None) -> str:
+        """Record ``shard`` finished (sha256, source identities, its data findings ``stats``)
+        and the amaxes known so far (``{source shard: {"id": identity, "values": {tensor:
+        float}}}``)."""
         digest = sha256_file(self.out / shard)
         self.done[shard] = {"sha256": digest, "sources": sources, "stats": stats or {}}
+        for src, entry in (amax or {}).items():
+            self.amax[src] = {"id": entry["id"],
+                              "values": {n: float(v).hex() for n, v in sorted(entry["values"].items())}}
         self._save()
         return digest
 
@@ -85,7 +106,7 @@ class Ledger:
         return entry.get("stats", {}) if isinstance(entry, dict) else {}
 
     def _save(self) -> None:
-        write_json_atomic({"job": self.job, "shards": self.done}, self.path)
+        write_json_atomic({"job": self.job, "shards": self.done, "amax": self.amax}, self.path)
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -1,7 +1,13 @@
 """``convert()``: stream a checkpoint shard by shard from FP8 (or dense) to NVFP4.
 
-Steps: open and validate the source -> decide every tensor -> per source shard, read lazily,
-quantize, write one output shard atomically -> index, config, carried files -> manifest.
+Steps: pre-flight (``quantize.preflight``: the source, a folder or a Hub repo whose shards
+``quantize.hub`` fetches on first read and deletes after their last, checked whole with every
+finding at once; every tensor decided by ``quantize.plan``, recipe, TP / engine alignment; the
+output folder and its free disk) -> per source shard, read lazily, refuse NaN / Inf / absurd
+amax, quantize (NVFP4 in the output format's arithmetic order, block FP8 passed through,
+MXFP8), check the shard against the planned layout, write it atomically -> index, carried
+files, config (+ hf_quant_config.json for ModelOpt) -> ``quantize check`` -> manifest (only
+when the check has no error).
 Peak memory is one output shard plus the tensors of one fused group, whatever the model size.
 """
 
@@ -17,13 +23,16 @@ from tqdm.auto import tqdm
 
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
-from formats.shards import discard, is_temp_name, write_shard_atomic
+from formats.shards import discard, dtype_name, is_temp_name, write_shard_atomic
 from formats.sources import Source
 from quantize import __version__
-from quantize.errors import OutputError, SourceError
-from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
+from quantize.errors import CheckFailed, OutputError, SourceError
+from quantize.kernels.fp8 import quantize_fp8_block
+from quantize.kernels.mxfp8 import quantize_mxfp8
+from quantize.kernels.nvfp4 import (global_scale_from_amax, quantize_nvfp4, quantize_nvfp4_scale2,
+                                    scale_2_from_amax)
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
-from quantize.plan import Decision, module_of
+from quantize.plan import Decision, dropped_tensors, tied_embeddings, fp8_passthrough, module_of
 from quantize.preflight import ABSURD_AMAX, MIN_AMAX, preflight
 from quantize.recipe import Target, load_recipe
 
@@ -50,6 +59,7 @@ class Summary:
     shards_skipped: int
     ignore: list[str]
     notes: list[str] = field(default_factory=list)
+    findings: list = field(default_factory=list)
 
     @property
     def gelem_per_s(self) -> float:
@@ -64,6 +74,7 @@ class Summary:
                  f"  time: {self.seconds:.1f} s, {self.gelem_per_s:.3f} G elements/s quantized",
                  f"  ignore: {len(self.ignore)} modules left unquantized"]
         lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  check: {f.render()}" for f in self.findings]
         return "\n".join(lines)
 
 
@@ -98,11 +109,7 @@ def _resolve_device(device: str) -> torch.device:
         raise ValueError(f"--device {device!r} is not a device (cpu, cuda, cuda:N or auto)") from None
 
 
-def _tied(config: dict) -> bool:
-    return bool(config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False)))
-
-
-_CARRY_SKIP = frozenset({"config.json", MANIFEST_NAME, PROGRESS_NAME})
+_CARRY_SKIP = frozenset({"config.json", MANIFEST_NAME, PROGRESS_NAME, "hf_quant_config.json"})
 
 
 def _prepare_out(out: Path, resume: bool) -> None:
@@ -122,8 +129,8 @@ def _prepare_out(out: Path, resume: bool) -> None:
 
 
 def _checked_amax(name: str, t: torch.Tensor, source: Source, nvfp4: bool) -> float | None:
-    """amax of a float tensor about to be written, after the value checks; None for
-    non-float tensors.
+    """amax of a float tensor about to be written or quantized, after the value checks;
+    None for non-float tensors.
 
     Raises:
         SourceError: NaN / Inf values (never a silent NaN in a build; FP8 after
@@ -148,27 +155,16 @@ def _checked_amax(name: str, t: torch.Tensor, source: Source, nvfp4: bool) -> fl
     return amax
 
 
-def _tied_head_duplicate(source: Source) -> bool:
-    """True when a tied model also stores ``lm_head.weight`` equal (bit for bit) to the
-    embedding: it can be dropped. A different stored head is what transformers uses (it
-    declines to tie differing tensors), so it is kept and the tie flag cleared (FC-23)."""
-    emb = next((n for n in source.tensors if n.endswith("embed_tokens.weight")), None)
-    if emb is None or "lm_head.weight" not in source.tensors:
-        return False
-    a, b = source.read("lm_head.weight"), source.read(emb)
-    return (a.shape == b.shape and a.dtype == b.dtype
-            and torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8)))
-
-
 def _set_tie(config: dict, value: bool) -> None:
     for cfg in (config, config.get("text_config")):
         if isinstance(cfg, dict) and "tie_word_embeddings" in cfg:
             cfg["tie_word_embeddings"] = value
 
 
-def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> dict[str, list[int]]:
-    """(size, mtime_ns) of every source shard the output ``shard`` is computed from: its own
-    tensors, their FP8 scales and their fused-group partners."""
+def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> dict[str, list]:
+    """Identity (``ShardFiles.identity``: size and mtime_ns, or size and sha256 for a Hub
+    source) of every source shard the output ``shard`` is computed from: its own tensors, their
+    FP8 scales and their fused-group partners."""
     files = {shard}
     for t in source.tensors_in(shard):
         names = [m + ".weight" for m in decisions[t.name].members] or [t.name]
@@ -178,98 +174,152 @@ def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> 
                 files.add(lt.shard)
                 if lt.scale is not None:
                     files.add(lt.scale.shard)
-    return {f: [(st := (source.folder / f).stat()).st_size, st.st_mtime_ns] for f in sorted(files)}
+    return {f: source.files.identity(f) for f in sorted(files)}
 
 
 class _Quantizer:
-    """Quantizes one logical tensor, sharing the global scale across its fused group."""
+    """Quantizes one logical tensor, sharing the global scale across its fused group.
 
-    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device):
-        self.source, self.decisions, self.device = source, decisions, device
-        self._amax: dict[str, torch.Tensor] = {}
+    NVFP4 uses the output format's arithmetic order (``writer.NVFP4_ORDER``): the
+    compressed-tensors quantize-direction global scale, or ModelOpt's dequant-direction
+    ``scale_2``; both scalars come from the same fused-group amax. ``known_amax`` holds the
+    amax values an interrupted run already measured (from the resume ledger).
+    """
 
-    def _load(self, name: str) -> torch.Tensor:
+    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device,
+                 order: str = "global", known_amax: dict[str, float] | None = None):
+        self.source, self.decisions, self.device, self.order = source, decisions, device, order
+        self._amax = {n: torch.tensor(v, dtype=torch.float32) for n, v in (known_amax or {}).items()}
+
+    def amaxes(self) -> dict[str, dict]:
+        """Every amax seen so far, by source shard with that shard's identity (for the ledger)."""
+        out: dict[str, dict] = {}
+        for n, a in self._amax.items():
+            shard = self.source.tensors[n].shard
+            if shard not in out:
+                out[shard] = {"id": self.source.files.identity(shard), "values": {}}
+            out[shard]["values"][n] = float(a)
+        return out
+
+    def _load(self, name: str, nvfp4: bool = False) -> torch.Tensor:
         w = self.source.read(name).to(torch.float32)
-        self._amax[name] = torch.tensor(_checked_amax(name, w, self.source, nvfp4=True))
+        self._amax[name] = torch.tensor(_checked_amax(name, w, self.source, nvfp4))
         return w
 
     def amax(self, name: str) -> torch.Tensor:
         if name not in self._amax:
-            self._load(name)
+            self._load(name, nvfp4=True)
         return self._amax[name]
 
-    def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.decisions[name]
-        w = self._load(name)
+        w = self._load(name, nvfp4=True)
         names = [m + ".weight" for m in d.members] or [name]
-        g = global_scale_from_amax(torch.stack([self.amax(n) for n in names]).amax())
-        packed, scale = quantize_nvfp4(w.to(self.device), g)
-        return packed.cpu(), scale.cpu(), g
+        amax = torch.stack([self.amax(n) for n in names]).amax()
+        g, s2 = global_scale_from_amax(amax), scale_2_from_amax(amax)
+        if self.order == "scale_2":
+            packed, scale = quantize_nvfp4_scale2(w.to(self.device), s2)
+        else:
+            packed, scale = quantize_nvfp4(w.to(self.device), g)
+        return packed.cpu(), scale.cpu(), g, s2
+
+    def fp8_block(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """128x128 block FP8: the source bytes and scale untouched when stored that way,
+        else quantized from the fp32 read (DeepSeek convention, scale = block amax / 448)."""
+        scale = fp8_passthrough(self.source, name)
+        if scale is not None:
+            return self.source.read_raw(name), self.source.read_raw(scale.name)
+        return quantize_fp8_block(self._load(name))
+
+    def mxfp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_mxfp8(self._load(name))
 
 
-def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
+def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tuple], shard: str) -> None:
+    """What is about to be written equals the plan's prediction (names, dtypes, shapes), so
+    ``recipe show`` / fit planning sizes are exact by construction."""
+    got = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
+    want = {n: (d, tuple(s)) for n, (d, s) in predicted.items()}
+    if got != want:
+        diff = sorted(set(got.items()) ^ set(want.items()))[:5]
+        raise OutputError(f"internal: shard {shard} does not match the planned layout: {diff}", shard=shard)
+
+
+def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
-            resume: bool = False, progress: bool = True, source_info: dict | None = None) -> Summary:
+            resume: bool = False, progress: bool = True, source_info: dict | None = None,
+            tp: int = 1, engine: str = "vllm") -> Summary:
     """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
 
     Args:
         src: folder with config.json and safetensors shards (block FP8, compressed-tensors
-            FP8, or dense).
+            FP8, or dense), or an opened ``Source`` (``quantize.hub`` streams one from the Hub).
         out: output folder; must be empty unless ``resume``.
         scheme: ``w4a16`` (weight-only NVFP4).
         fmt: output layout, see ``formats.OutputFormat``.
         recipe: preset name or TOML path (``quantize.recipe``).
         device: ``cpu``, ``cuda`` or ``auto``.
+        tp: tensor-parallel size the build is for; tensors whose per-shard shape breaks the
+            engine's alignment rules are kept in high precision and listed in the notes.
+        engine: ``vllm``, ``sglang`` or ``trtllm``: whose rules the plan and the final
+            ``quantize check`` apply.
         resume: skip output shards the ledger records as finished (sha256 checked); the
             final folder is byte-identical to an uninterrupted run.
-        source_info: extra provenance (repo id, revision) recorded in the manifest.
+        source_info: extra provenance (repo id, commit, file hashes) recorded in the manifest
+            and part of the resume fingerprint.
 
     Returns:
         Summary of the run.
 
     Raises:
-        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named.
+        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named;
+            OutputError also when the free disk cannot hold the rest of the build.
+        CheckFailed: ``quantize check`` found errors in the written build (no manifest is
+            written, so the folder is not a finished build).
     """
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
+    out = Path(out)
     rec = load_recipe(recipe)
     writer = get_writer(fmt)
     dev = _resolve_device(device)
-    pre = preflight(src, out, recipe=rec, resume=resume, carry_skip=_CARRY_SKIP)
-    pre.raise_if_errors(src.name)
-    source, decisions = pre.source, pre.decisions
+    pre = preflight(src, out, recipe=rec, resume=resume, fmt=fmt, tp=tp, engine=engine,
+                    carry_skip=_CARRY_SKIP)
+    pre.raise_if_errors(Path(src).name if not isinstance(src, Source) else src.folder.name)
+    source, decisions, predicted = pre.source, pre.decisions, pre.predicted
+    src = source.folder
     notes = [f"{f.level}: {f.message}" for f in pre.findings]
-    skip = set()
-    tied = _tied(source.config)
-    if tied and "lm_head.weight" in source.tensors:
-        if _tied_head_duplicate(source):
-            skip.add("lm_head.weight")
-            notes.append("lm_head.weight dropped: tie_word_embeddings is true and it equals "
-                         "embed_tokens bit for bit (FC-23)")
-        else:
-            tied = False
-            notes.append("lm_head.weight differs from embed_tokens although "
-                         "tie_word_embeddings is true: kept, and the flag set false (FC-23)")
+    skip = dropped_tensors(source)
+    tied = tied_embeddings(source.config)
+    if skip:
+        notes.append("lm_head.weight dropped: tie_word_embeddings is true and it equals "
+                     "embed_tokens bit for bit (FC-23)")
+    elif tied and "lm_head.weight" in source.tensors:
+        tied = False
+        notes.append("lm_head.weight differs from embed_tokens although tie_word_embeddings "
+                     "is true: kept, and the flag set false (FC-23)")
     if source.dropped:
         notes.append(f"dropped {len(source.dropped)} FP8 activation/KV sidecars "
                      f"(e.g. {source.dropped[0]})")
     for d in decisions.values():
-        if d.reason.startswith(("K=", "fused group")):
+        if not d.reason.startswith(("recipe ", "sensitive:", "not a Linear")):
             notes.append(f"{d.name} kept as {d.target.value}: {d.reason}")
     headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
-    options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256}
+    options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256,
+               "tp": tp, "engine": engine}
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
-                       "decisions": {n: d.target.value for n, d in decisions.items()}})
+                       "decisions": {n: d.target.value for n, d in decisions.items()},
+                       "source": source_info or {}})
     _prepare_out(out, resume)
     _bound_allocator()
     ledger = Ledger(out, job, resume)
-    quant = _Quantizer(source, decisions, dev)
+    quant = _Quantizer(source, decisions, dev, writer.NVFP4_ORDER,
+                       ledger.known_amax(source.files.identity))
     written, skipped, out_shards = 0, 0, []
     bytes_in = sum(i.nbytes for i in source.infos.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
     elements = 0
     bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    for shard in source.shards:
+    for shard in source.stream():
         members = [t for t in source.tensors_in(shard) if t.name not in skip]
         shard_bytes = sum(i.nbytes for i in source.infos.values() if i.shard == shard)
         if not members:
@@ -287,9 +337,15 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         for t in members:
             d = decisions[t.name]
             if d.target is Target.NVFP4:
-                packed, scale, g = quant(t.name)
-                tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g))
+                packed, scale, g, s2 = quant(t.name)
+                tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g, s2))
                 _shard_stats(stats, t.name, quant.amax(t.name).item(), scale)
+                elements += t.numel
+            elif d.target is Target.FP8_BLOCK:
+                tensors.update(writer.emit_fp8_block(module_of(t.name), *quant.fp8_block(t.name)))
+                elements += t.numel
+            elif d.target is Target.MXFP8:
+                tensors.update(writer.emit_mxfp8(module_of(t.name), *quant.mxfp8(t.name)))
                 elements += t.numel
             else:
                 x = source.read(t.name)
@@ -297,10 +353,11 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
                 amax = _checked_amax(t.name, x, source, nvfp4=False)
                 _shard_stats(stats, t.name, amax if x.ndim == 2 else None)
                 tensors[t.name] = x
+        _assert_predicted(tensors, {k: v for t in members for k, v in predicted[t.name].items()}, shard)
         write_shard_atomic(tensors, out / shard)
         del tensors
         _release_freed_memory()
-        ledger.mark(shard, deps, stats)
+        ledger.mark(shard, deps, quant.amaxes(), stats)
         written += 1
         bar.update(shard_bytes)
     bar.close()
@@ -308,21 +365,34 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
 
     notes += _data_notes([ledger.stats(s) for s in out_shards])
     index = write_index(out, out_shards)
-    ignore = sorted({module_of(n) for n, d in decisions.items()
-                     if n not in skip and d.target is not Target.NVFP4 and module_of(n)})
+    linear = {n: d for n, d in decisions.items()
+              if n not in skip and module_of(n) and len(source.tensors[n].shape) == 2}
+    targets = {module_of(n): d.target.value for n, d in linear.items() if d.target.quantized}
+    ignore = sorted({module_of(n) for n, d in linear.items() if not d.target.quantized})
     if tied and "lm_head" not in ignore:
         ignore.append("lm_head")  # the tied head is the unquantized embedding
+    config = json.loads(json.dumps(source.config))
+    if tied_embeddings(source.config) and not tied:
+        _set_tie(config, False)
+    (config.get("text_config") or {}).pop("quantization_config", None)
+    producer = {"name": "spark-quant", "version": __version__}
+    config["quantization_config"] = writer.quantization_config(targets, sorted(ignore), scheme, producer)
     # config.json after the carried files: weights + config without the tokenizer never look
     # like a loadable folder.
     carried = carry_files(src, out, skip=set(_CARRY_SKIP))
-    config = json.loads(json.dumps(source.config))
-    if _tied(source.config) and not tied:
-        _set_tie(config, False)
-    (config.get("text_config") or {}).pop("quantization_config", None)
-    config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
+    for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer).items():
+        write_json_atomic(obj, out / fname)
     write_json_atomic(config, out / "config.json")
+    from quantize.check import check_build  # the check reads only what was written
+
+    findings = check_build(out, engine=engine, tp=tp)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise CheckFailed(f"quantize check found {len(errors)} error(s) in {out} (no manifest "
+                          "written):\n  " + "\n  ".join(f.render() for f in errors[:20]),
+                          tensor=errors[0].tensor, key=errors[0].rule)
     summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], elements,
-                      time.perf_counter() - t0, written, skipped, sorted(ignore), notes)
+                      time.perf_counter() - t0, written, skipped, sorted(ignore), notes, findings)
     write_manifest(out, {
         "tool": "spark-quant", "version": __version__,
         "source": {"path": str(src.resolve()), "layout": source.kind.value,

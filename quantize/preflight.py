@@ -14,7 +14,8 @@ once (a user with a 300 GiB download wants the whole list, not one error per hou
 - hostile input: custom code is reported (copied as a file, never executed), links leading
   out of the folder are not carried;
 - output: not the source or inside it, empty unless resuming a spark-quant build, writable,
-  and enough free space for the predicted build.
+  and enough free disk for the predicted build (``quantize.budget``, which also counts the
+  shards a Hub source still has to download).
 
 Checks that need the weights themselves (NaN / Inf weights, all-zero tensors, absurd amax of
 dense weights) run during conversion, on each tensor as it is read (``quantize.pipeline``).
@@ -22,23 +23,23 @@ dense weights) run during conversion, on each tensor as it is read (``quantize.p
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from formats.checkpoint import carry_plan
-from formats.shards import DTYPE_BYTES, is_temp_name
+from formats.shards import DTYPE_BYTES, ShardReader, is_temp_name
 from formats.sources import Source, inspect_source
 from quantize import archs
-from quantize.errors import Finding, raise_findings, render_findings
-from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR, NVFP4_GROUP_SIZE
+from quantize.budget import check_free_disk, predicted_output_bytes
+from quantize.errors import Finding, OutputError, SourceError, raise_findings, render_findings
+from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
-from quantize.plan import Decision, plan_tensors
-from quantize.recipe import Recipe, Target
+from quantize.plan import Decision, plan_tensors, predict_outputs
+from quantize.recipe import Recipe
 
-__all__ = ["ABSURD_AMAX", "MIN_AMAX", "Preflight", "preflight", "scan_scales",
-           "predict_output_bytes", "check_output", "human_bytes"]
+__all__ = ["ABSURD_AMAX", "MIN_AMAX", "Preflight", "preflight", "scan_scales", "check_output"]
 
 ABSURD_AMAX = 65504.0
 """Largest |w| accepted in a weight that becomes NVFP4: the float16 range. No trained Linear
@@ -57,7 +58,7 @@ class Preflight:
     source: Source | None
     findings: list[Finding]
     decisions: dict[str, Decision] | None = None
-    predicted_bytes: dict[str, int] = field(default_factory=dict)
+    predicted: dict[str, dict] | None = None  # quantize.plan.predict_outputs
 
     @property
     def errors(self) -> list[Finding]:
@@ -72,8 +73,9 @@ class Preflight:
         if self.source is not None:
             head += (f"; {len(self.source.tensors)} tensors in {len(self.source.shards)} shards, "
                      f"layout {self.source.kind.value}")
-        if self.predicted_bytes:
-            head += f"; predicted build {human_bytes(sum(self.predicted_bytes.values()))}"
+        if self.predicted is not None:
+            size = predicted_output_bytes(self.source, self.predicted)
+            head += f"; predicted build {size / 2**20:.1f} MiB"
         body = render_findings(self.findings)
         return head + ("\n" + body if body else "")
 
@@ -82,55 +84,63 @@ class Preflight:
         raise_findings(self.findings, what)
 
 
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError
-
-
 def scan_scales(source: Source) -> list[Finding]:
-    """Read every FP8 scale tensor in a readable shard and check its values (kind ``scale``),
-    whether or not its weight could be paired (a scale's own damage is reported either way).
+    """Read every FP8 scale tensor in a readable local shard and check its values (kind
+    ``scale``), whether or not its weight could be paired (a scale's own damage is reported
+    either way). Shards a Hub source has not downloaded yet are left to the conversion.
 
     Errors: NaN / Inf values, negative values, a maximum that lets |w| reach beyond
     :data:`ABSURD_AMAX` (e4m3 holds at most 448, so ``448 * max(scale)`` bounds |w|).
     Warning: zero scales (those blocks dequantize to 0).
     """
-    if source.layout is None:
+    if source.layout is None or not source.has_data:
         return []
     suffix = ".weight" + source.layout.scale_suffix
+    remote = set(source.files.to_fetch())
     out: list[Finding] = []
-    scales = sorted((i for i in source.infos.values() if i.name.endswith(suffix)),
+    if remote:
+        out.append(Finding("info", "scale", f"scales in {len(remote)} shard(s) still to download "
+                           "are checked while converting"))
+    scales = sorted((i for i in source.infos.values()
+                     if i.name.endswith(suffix) and i.shard not in remote),
                     key=lambda i: (i.shard, i.name))
-    for info in scales:
-        sname, shard = info.name, info.shard
-        weight = sname[: -len(source.layout.scale_suffix)]
-        s = source.read_raw(sname).to(torch.float32).reshape(-1)
-        found = []
-        bad = ~torch.isfinite(s)
-        if bad.any():
-            found.append(("error", f"has {int(bad.sum())} NaN/Inf value(s) (first at flat index "
-                                   f"{int(bad.nonzero()[0])}); {weight} cannot be dequantized"))
-            s = s[~bad]
-        if (s < 0).any():
-            found.append(("error", f"has {int((s < 0).sum())} negative value(s) (min "
-                                   f"{s.min().item():.3g}); FP8 scales are magnitudes"))
-        bound = s.max().item() * E4M3_MAX if s.numel() else 0.0
-        if bound > ABSURD_AMAX:
-            found.append(("error", f"has max {bound / E4M3_MAX:.3g}, so |{weight}| may reach "
-                                   f"{bound:.3g}, beyond {ABSURD_AMAX:g} (the float16 range, which "
-                                   "no trained weight exceeds): a corrupt scale"))
-        zeros = int((s == 0).sum())
-        if zeros:
-            found.append(("warning", f"has {zeros} of {info.nbytes // DTYPE_BYTES[info.dtype]} "
-                                     f"value(s) equal to 0: those blocks of {weight} dequantize "
-                                     "to 0"))
-        out += [Finding(level, "scale", f"scale {sname} in {shard} {msg}", tensor=sname,
-                        shard=shard) for level, msg in found]
+    # Its own reader on the files in the folder: the source's reader would make the shard
+    # "in use" for the Hub streaming (fetch / release order) before conversion starts.
+    reader = ShardReader(source.folder, max_open=1)
+    try:
+        for info in scales:
+            try:
+                s = reader.get(info.shard, info.name).to(torch.float32).reshape(-1)
+            except SourceError as e:  # not local after all: the conversion reads it
+                out.append(Finding("info", "scale", f"{info.name} not checked up front: {e}"))
+                continue
+            out += _scale_findings(info, s, info.name[: -len(source.layout.scale_suffix)])
+    finally:
+        reader.close()
     return out
+
+
+def _scale_findings(info, s: torch.Tensor, weight: str) -> list[Finding]:
+    found = []
+    bad = ~torch.isfinite(s)
+    if bad.any():
+        found.append(("error", f"has {int(bad.sum())} NaN/Inf value(s) (first at flat index "
+                               f"{int(bad.nonzero()[0])}); {weight} cannot be dequantized"))
+        s = s[~bad]
+    if (s < 0).any():
+        found.append(("error", f"has {int((s < 0).sum())} negative value(s) (min "
+                               f"{s.min().item():.3g}); FP8 scales are magnitudes"))
+    bound = s.max().item() * E4M3_MAX if s.numel() else 0.0
+    if bound > ABSURD_AMAX:
+        found.append(("error", f"has max {bound / E4M3_MAX:.3g}, so |{weight}| may reach "
+                               f"{bound:.3g}, beyond {ABSURD_AMAX:g} (the float16 range, which "
+                               "no trained weight exceeds): a corrupt scale"))
+    zeros = int((s == 0).sum())
+    if zeros:
+        found.append(("warning", f"has {zeros} of {info.nbytes // DTYPE_BYTES[info.dtype]} "
+                                 f"value(s) equal to 0: those blocks of {weight} dequantize to 0"))
+    return [Finding(level, "scale", f"scale {info.name} in {info.shard} {msg}", tensor=info.name,
+                    shard=info.shard) for level, msg in found]
 
 
 def _layout_findings(source: Source) -> list[Finding]:
@@ -152,32 +162,6 @@ def _custom_code_findings(src: Path, config: dict, copied: list[str],
     return out
 
 
-def _entry_bytes(name: str) -> int:
-    """Room one output tensor takes in its shard header and in the index JSON."""
-    return 2 * len(name) + 160
-
-
-def predict_output_bytes(source: Source, decisions: dict[str, Decision]) -> dict[str, int]:
-    """Predicted bytes of each output shard (named like its source shard), and under the key
-    ``""`` the index, config and manifest: NVFP4 weights ``N*K/2 + N*K/16 + 4`` (three
-    tensors), bf16 ``2 * numel``, kept tensors as stored, plus header and index room."""
-    out: dict[str, int] = {"": 1 << 16}
-    for name, t in source.tensors.items():
-        d = decisions.get(name)
-        if d is None:
-            continue
-        if d.target is Target.NVFP4:
-            n, k = t.shape
-            size = n * k // 2 + n * k // NVFP4_GROUP_SIZE + 4 + 3 * _entry_bytes(name)
-        elif d.target is Target.BF16:
-            size = 2 * t.numel + _entry_bytes(name)
-        else:
-            size = source.infos[name].nbytes + _entry_bytes(name)
-        out[t.shard] = out.get(t.shard, 0) + size
-        out[""] += len(name) + 32  # the manifest's targets
-    return out
-
-
 def _existing_ancestor(p: Path) -> Path:
     p = p.absolute()
     while not p.exists() and p != p.parent:
@@ -185,12 +169,12 @@ def _existing_ancestor(p: Path) -> Path:
     return p
 
 
-def check_output(out: Path, src: Path, resume: bool, predicted: dict[str, int] | None = None,
-                 extra_bytes: int = 0) -> list[Finding]:
+def check_output(out: Path, src: Path, resume: bool, source: Source | None = None,
+                 predicted: dict[str, dict] | None = None) -> list[Finding]:
     """Output-folder findings (kind ``output``): the source folder or inside it, not a folder,
     not empty without ``--resume``, ``--resume`` into a folder that holds no spark-quant
-    build, not writable, or short of free space for the predicted shards not yet on disk plus
-    ``extra_bytes`` (carried files)."""
+    build, not writable, or (with ``source`` and ``predicted``) too little free disk for the
+    output shards not yet on disk (``quantize.budget.check_free_disk``)."""
     out, src = Path(out), Path(src)
     f: list[Finding] = []
 
@@ -222,41 +206,48 @@ def check_output(out: Path, src: Path, resume: bool, predicted: dict[str, int] |
     except OSError as e:
         err(f"output folder {out} is not writable ({base}: {e.strerror or e})")
         return f
-    if predicted:
-        need = extra_bytes + sum(b for s, b in predicted.items() if not s or not (out / s).is_file())
-        free = shutil.disk_usage(base).free
-        if need > free:
-            err(f"output needs about {human_bytes(need)} more on the filesystem of {base}, "
-                f"{human_bytes(free)} is free; free space or choose another --out")
+    if source is not None and predicted is not None:
+        done = {s for s in source.shards if (out / s).is_file()}
+        try:
+            check_free_disk(out, predicted_output_bytes(source, predicted, done), source.files)
+        except OutputError as e:
+            err(str(e))
     return f
 
 
-def preflight(src: str | Path, out: str | Path | None = None, *, recipe: Recipe | None = None,
-              resume: bool = False, carry_skip: frozenset[str] = frozenset()) -> Preflight:
+def preflight(src: str | Path | Source, out: str | Path | None = None, *,
+              recipe: Recipe | None = None, resume: bool = False, fmt: str = "compressed-tensors",
+              tp: int = 1, engine: str = "vllm",
+              carry_skip: frozenset[str] = frozenset()) -> Preflight:
     """Run every pre-flight check on ``src`` (and ``out`` when given); raises nothing.
 
     Args:
-        src: source folder. out: output folder, or None to check the source only.
-        recipe: decides targets (for the size prediction); None skips planning.
-        resume: an existing non-empty ``out`` is allowed.
+        src: source folder or descriptor, or an opened Source (a Hub source, whose structure
+            ``open_source`` has already checked).
+        out: output folder, or None to check the source only.
+        recipe: decides targets (with ``fmt``, ``tp``, ``engine``) for the size prediction;
+            None skips planning.
+        resume: an existing non-empty ``out`` holding a spark-quant build is allowed.
         carry_skip: relative paths the converter writes itself (not carried).
 
     Returns:
         :class:`Preflight` with every finding; call ``raise_if_errors`` to stop on errors.
     """
-    src = Path(src)
-    source, findings = inspect_source(src)
+    if isinstance(src, Source):
+        source, findings = src, list(src.findings)
+    else:
+        source, findings = inspect_source(src)
+    folder = source.folder if source is not None else Path(src)
     pre = Preflight(source, findings)
-    copied: list[str] = []
     if source is not None:
         findings += scan_scales(source)
         findings += _layout_findings(source)
-        copied, refused = carry_plan(src, set(carry_skip))
-        findings += _custom_code_findings(src, source.config, copied, refused)
-        if recipe is not None:
-            pre.decisions = plan_tensors(source, recipe)
-            pre.predicted_bytes = predict_output_bytes(source, pre.decisions)
+        if folder.is_dir():
+            copied, refused = carry_plan(folder, set(carry_skip))
+            findings += _custom_code_findings(folder, source.config, copied, refused)
+        if recipe is not None and not any(f.level == "error" for f in findings):
+            pre.decisions = plan_tensors(source, recipe, tp=tp, engine=engine)
+            pre.predicted = predict_outputs(source, pre.decisions, fmt)
     if out is not None:
-        extra = sum((src / c).stat().st_size for c in copied)
-        findings += check_output(Path(out), src, resume, pre.predicted_bytes, extra)
+        findings += check_output(Path(out), folder, resume, source, pre.predicted)
     return pre

@@ -7,15 +7,18 @@ Checks, all reported together:
    temp-file leftovers, every listed file present with its size and sha256, no unlisted files;
 2. headers: every shard header re-read with the strict parser; the index equals the union of
    the headers and its ``total_size`` their tensor bytes (FC-21b);
-3. layout: every tensor the manifest's ``targets`` lists is in the build in its target form
-   (NVFP4: packed u8 [N, K/2], e4m3 block scale [N, K/16], f32 global scale [1]);
-4. engine checks: ``quantize check`` (:func:`_engine_checks`, the single call site);
-5. samples: a few rows of every tensor are read back; NVFP4 rows are dequantized and must be
-   finite with no NaN scale bytes; when the source is available (``--src`` or the path in
-   the manifest) and its shard headers match the manifest's digests, each sampled element
-   must be within the NVFP4 rounding bound of the source (one e2m1 step unit
-   ``block_scale / global_scale``, which covers rounding, saturation and the FC-11b floor),
-   bf16 rows must equal the source rounded to bf16 and kept rows its exact bits.
+3. layout: every tensor the manifest's ``targets`` lists is in the build under the names,
+   dtypes and shapes its output format writes (``output_specs`` of the format's writer);
+4. engine checks: ``quantize check`` with the manifest's engine and TP (:func:`_engine_checks`,
+   the single call site);
+5. samples: a few rows of every NVFP4, bf16 and kept tensor are read back; NVFP4 rows
+   (compressed-tensors or ModelOpt) are dequantized and must be finite with no NaN scale
+   bytes; when the source is available (``--src`` or the path in the manifest) and its shard
+   headers match the manifest's digests, each sampled element must be within the NVFP4
+   rounding bound of the source (one e2m1 step unit ``block_scale / global_scale``, which
+   covers rounding, saturation and the FC-11b floor), bf16 rows must equal the source rounded
+   to bf16 and kept rows its exact bits. FP8-block and MXFP8 targets are left to ``quantize
+   check``.
 """
 
 import json
@@ -25,11 +28,11 @@ from pathlib import Path
 
 import torch
 
+from formats import get_writer
 from formats.checkpoint import INDEX_NAME
-from formats.compressed_tensors import FORMAT_NAME, QUANTIZED_SUFFIXES
 from formats.shards import ShardReader, TensorInfo, is_temp_name, read_header, sha256_file
 from formats.sources import Source, inspect_source
-from quantize.errors import Finding, SourceError, render_findings
+from quantize.errors import Finding, SourceError, SparkQuantError, render_findings
 from quantize.kernels.nvfp4 import dequantize_nvfp4
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, fingerprint
 
@@ -128,41 +131,52 @@ def _check_headers(build: Path, rep: VerifyReport) -> dict[str, TensorInfo]:
     return infos
 
 
-def _expected(name: str, target: str) -> list[str]:
-    if target == "nvfp4":
-        module = name[: -len(".weight")]
-        return [module + s for s in QUANTIZED_SUFFIXES]
-    return [name]
+_SAMPLED = ("nvfp4", "bf16", "keep")
 
 
-def _check_layout(manifest: dict, infos: dict[str, TensorInfo], rep: VerifyReport) -> None:
+def _expected(writer, name: str, target: str, infos: dict[str, TensorInfo]) -> dict[str, tuple]:
+    """Output tensor name -> (dtype, shape) the writer emits for ``name`` as ``target``; for a
+    quantized target the shape is taken from the first tensor present (N, K are not stored
+    elsewhere). Unquantized targets: just the name (dtype and shape as the source had them)."""
+    if target in ("bf16", "keep"):
+        return {name: None}
+    module = name[: -len(".weight")]
+    first = next(iter(writer.output_specs(module, target, (16, 32))))
+    info = infos.get(first)
+    if info is None or len(info.shape) != 2:
+        return {n: None for n in writer.output_specs(module, target, (16, 32))}
+    n, k = info.shape
+    return writer.output_specs(module, target, (n, 2 * k if target == "nvfp4" else k))
+
+
+def _check_layout(writer, manifest: dict, infos: dict[str, TensorInfo], rep: VerifyReport) -> None:
     for name, target in sorted(manifest.get("targets", {}).items()):
-        names = _expected(name, target)
-        lost = [n for n in names if n not in infos]
+        want = _expected(writer, name, target, infos)
+        lost = [n for n in want if n not in infos]
         if lost:
             rep.add("error", "layout", f"{name} ({target}) has no {', '.join(lost)} in the build",
                     tensor=name)
             continue
-        if target != "nvfp4":
-            continue
-        packed, scale, glob = (infos[n] for n in names)
-        ok = (packed.dtype == "U8" and scale.dtype == "F8_E4M3" and glob.dtype == "F32"
-              and len(packed.shape) == 2 and len(scale.shape) == 2
-              and scale.shape == (packed.shape[0], packed.shape[1] // 8) and glob.shape == (1,))
-        if not ok:
-            rep.add("error", "layout", f"{name}: NVFP4 tensors are {packed.dtype}{list(packed.shape)}"
-                    f", {scale.dtype}{list(scale.shape)}, {glob.dtype}{list(glob.shape)}; expected "
-                    "U8 [N, K/2], F8_E4M3 [N, K/16], F32 [1]", tensor=name)
+        bad = [f"{n} is {infos[n].dtype}{list(infos[n].shape)}, expected {d}{list(shp)}"
+               for n, spec in want.items() if spec is not None
+               for d, shp in [spec] if (infos[n].dtype, tuple(infos[n].shape)) != (d, tuple(shp))]
+        if bad:
+            rep.add("error", "layout", f"{name} ({target}): " + "; ".join(bad), tensor=name)
 
 
-def _engine_checks(build: Path) -> list[Finding]:
-    """``quantize check`` on the build (engine-specific rules): the single call site in verify.
+def _engine_checks(build: Path, manifest: dict) -> list[Finding]:
+    """``quantize check`` on the build, with the engine and TP it was made for: the single
+    call site in verify. Its findings keep their rule in the message."""
+    from quantize.check import check_build
 
-    ``quantize check`` is not on this branch yet; until it is, verify reports that the engine
-    checks were not run and relies on its own checks above.
-    """
-    return [Finding("info", "check", "engine checks (quantize check) are not available in this "
-                    "version; not run")]
+    opts = manifest.get("options", {})
+    try:
+        found = check_build(build, engine=opts.get("engine", "vllm"), tp=opts.get("tp", 1))
+    except SparkQuantError as e:  # its own strict reads failed: the findings above say why
+        return [Finding("error", "check", "quantize check could not run: "
+                        + str(e).splitlines()[0])]
+    return [Finding(f.level, "check", f"[{f.rule}] " + (f"{f.tensor}: " if f.tensor else "")
+                    + f.message, tensor=f.tensor) for f in found]
 
 
 def _open_matching_source(src: Path, manifest: dict, rep: VerifyReport) -> Source | None:
@@ -199,12 +213,16 @@ def _rows_of(name: str, n: int, k: int) -> list[int]:
     return sorted({0, n - 1, *middle.tolist()})
 
 
-def _sample(build: Path, manifest: dict, infos: dict[str, TensorInfo], source: Source | None,
-            rows: int, rep: VerifyReport) -> None:
+def _sample(build: Path, writer, manifest: dict, infos: dict[str, TensorInfo],
+            source: Source | None, rows: int, rep: VerifyReport) -> None:
     reader = ShardReader(build, max_open=2)
+    skipped = 0
     try:
         for name, target in sorted(manifest.get("targets", {}).items()):
-            names = _expected(name, target)
+            names = list(_expected(writer, name, target, infos))
+            if target not in _SAMPLED:
+                skipped += 1
+                continue
             if any(n not in infos for n in names):
                 continue  # reported by _check_layout
             first = infos[names[0]]
@@ -216,7 +234,8 @@ def _sample(build: Path, manifest: dict, infos: dict[str, TensorInfo], source: S
             for r in picks:
                 span = (r, r + 1) if r is not None else None
                 if target == "nvfp4":
-                    _sample_nvfp4(reader, name, names, infos, r, source if compare else None, rep)
+                    _sample_nvfp4(reader, writer, name, names, infos, r,
+                                  source if compare else None, rep)
                     continue
                 got = reader.get(infos[name].shard, name, rows=span)
                 if got.is_floating_point() and not torch.isfinite(got).all():
@@ -230,15 +249,20 @@ def _sample(build: Path, manifest: dict, infos: dict[str, TensorInfo], source: S
                                 "the source", tensor=name)
     finally:
         reader.close()
+    if skipped:
+        rep.add("info", "sample", f"{skipped} FP8-block / MXFP8 tensor(s) not sampled (left to "
+                "quantize check)")
 
 
-def _sample_nvfp4(reader: ShardReader, name: str, names: list[str],
+def _sample_nvfp4(reader: ShardReader, writer, name: str, names: list[str],
                   infos: dict[str, TensorInfo], r: int, source: Source | None,
                   rep: VerifyReport) -> None:
-    packed_n, scale_n, glob_n = names
+    packed_n, scale_n, scalar_n = names
     packed = reader.get(infos[packed_n].shard, packed_n, rows=(r, r + 1))
     scale = reader.get(infos[scale_n].shard, scale_n, rows=(r, r + 1))
-    glob = reader.get(infos[glob_n].shard, glob_n)
+    scalar = reader.get(infos[scalar_n].shard, scalar_n).reshape(1).to(torch.float32)
+    # compressed-tensors stores the quantize-direction global scale, ModelOpt its reciprocal
+    glob = scalar if writer.NVFP4_ORDER == "global" else 1.0 / scalar
     nan_bytes = sum(int((scale.view(torch.uint8) == b).sum()) for b in _NAN_E4M3)
     g = glob.item()
     if nan_bytes or not (g > 0 and g < float("inf")):
@@ -287,17 +311,17 @@ def verify(build: str | Path, src: str | Path | None = None, rows: int = 4) -> V
         return rep
     _check_files(build, manifest, rep)
     infos = _check_headers(build, rep)
-    fmt = manifest.get("options", {}).get("format")
-    if fmt != "compressed-tensors":
-        rep.add("info", "layout", f"format {fmt!r}: tensor layout and samples are checked for "
-                f"compressed-tensors ({FORMAT_NAME}) builds only")
+    try:
+        writer = get_writer(manifest.get("options", {}).get("format", "compressed-tensors"))
+    except ValueError as e:
+        rep.add("error", "layout", f"manifest options.format: {e}", key="options.format")
         return rep
-    _check_layout(manifest, infos, rep)
-    rep.findings += _engine_checks(build)
+    _check_layout(writer, manifest, infos, rep)
+    rep.findings += _engine_checks(build, manifest)
     src = Path(src) if src else Path(manifest.get("source", {}).get("path", ""))
     source = _open_matching_source(src, manifest, rep) if str(src) not in ("", ".") else None
     try:
-        _sample(build, manifest, infos, source, rows, rep)
+        _sample(build, writer, manifest, infos, source, rows, rep)
     finally:
         if source is not None:
             source.close()

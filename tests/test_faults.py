@@ -379,8 +379,10 @@ def test_too_little_space_refused_up_front(tmp_path, tiny_fp8_llama, tmpfs, caps
     rc, err = nvfp4(capsys, tiny_fp8_llama, fs / "out")
     assert rc == 1
     line = err.splitlines()[1]
-    assert line.startswith(f"error: [output] output needs about ") and line.endswith(
-        f"more on the filesystem of {fs}, 64.0 KiB is free; free space or choose another --out")
+    assert line.startswith(f"error: [output] not enough free disk on the filesystem of {fs}: "
+                           "need ") and line.endswith(
+        "free 0.1 MiB. Free some space, choose another --out, or point HF_HOME (the download "
+        "cache) at another disk.")
 
 
 def _failing_on_second_shard(monkeypatch, action):
@@ -544,8 +546,8 @@ def test_custom_code_is_copied_and_never_executed(tmp_path, tiny_fp8_llama, caps
 def test_tokens_never_reach_console_manifest_or_files(tmp_path, tiny_fp8_llama, monkeypatch, capsys):
     token = "hf_" + "Zq81kLmN0pQrStUv" * 2
     monkeypatch.setenv("HF_TOKEN", token)
-    rc, err = run(capsys, "nvfp4", "--src", f"{token}/GLM-5.3-Flash", "--out", tmp_path / "x")
-    assert rc == 1 and token not in err and "'***/GLM-5.3-Flash' looks like a Hub repo id" in err
+    rc, err = run(capsys, "nvfp4", "--src", f"/nonexistent/{token}", "--out", tmp_path / "x")
+    assert (rc, err) == (1, "error: --src /nonexistent/***: no such folder\n")
     out = tmp_path / "out"
     convert(tiny_fp8_llama, out, progress=False, source_info={
         "repo": f"https://user:{token}@huggingface.co/org/model", "note": f"Bearer {token}"})

@@ -6,24 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
+from conftest import BLOCK_FP8_QC, fp8_pair, load_all, write_checkpoint
 from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from quantize.errors import OutputError, SourceError
 from quantize.kernels.nvfp4 import dequantize_nvfp4
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
 from quantize.pipeline import convert
-
-
-def load_all(folder: Path) -> dict[str, torch.Tensor]:
-    idx = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
-    out = {}
-    for name, shard in idx.items():
-        with safe_open(str(folder / shard), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 def deq(t: dict, module: str) -> torch.Tensor:
@@ -139,7 +129,8 @@ def test_fc16_fc20_routers_and_bias_bit_identical(moe_build):
     assert "model.layers.1.mlp.gate" in ignore and "model.layers.2.eh_proj" in ignore
 
 
-def test_fc16_router_found_structurally_not_by_substring(tmp_path):
+@pytest.mark.parametrize("fmt,packed", [("compressed-tensors", ".weight_packed"), ("modelopt", ".weight")])
+def test_fc16_router_found_structurally_not_by_substring(tmp_path, fmt, packed):
     h = 64
     t = {"model.layers.1.mlp.gate.weight": torch.randn(8, h).bfloat16(),
          "model.layers.1.block_sparse_moe.gate.weight": torch.randn(8, h).bfloat16(),
@@ -148,12 +139,12 @@ def test_fc16_router_found_structurally_not_by_substring(tmp_path):
          "model.layers.1.mlp.shared_experts.gate_proj.weight": torch.randn(32, h).bfloat16(),
          "model.layers.1.mlp.shared_experts.up_proj.weight": torch.randn(32, h).bfloat16()}
     src = write_checkpoint(tmp_path / "s", t, {"n_routed_experts": 8})
-    convert(src, tmp_path / "o", progress=False)
+    convert(src, tmp_path / "o", fmt=fmt, progress=False)
     o = load_all(tmp_path / "o")
     for r in ("model.layers.1.mlp.gate", "model.layers.1.block_sparse_moe.gate"):
         assert torch.equal(o[f"{r}.weight"].view(torch.int16), t[f"{r}.weight"].view(torch.int16))
-    assert "model.layers.1.mlp.experts.0.gate_proj.weight_packed" in o
-    assert "model.layers.1.mlp.shared_experts.gate_proj.weight_packed" in o
+    assert o["model.layers.1.mlp.experts.0.gate_proj" + packed].dtype == torch.uint8
+    assert o["model.layers.1.mlp.shared_experts.gate_proj" + packed].dtype == torch.uint8
 
 
 def test_fc20_softmax_router_gets_no_invented_bias(tmp_path):
@@ -370,7 +361,7 @@ def test_resume_refuses_a_different_job(tmp_path, tiny_fp8_llama, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_fp8_llama, out, progress=False)
     monkeypatch.undo()
-    (tmp_path / "r.toml").write_text('name="other"\n[[rule]]\nmatch="re:.*q_proj"\ntarget="nvfp4"\n')
+    (tmp_path / "r.toml").write_text('name="other"\n[[rule]]\nmatch="re:.*mlp.*"\ntarget="nvfp4"\n')
     with pytest.raises(OutputError, match="holds a different build"):
         convert(tiny_fp8_llama, out, progress=False, resume=True, recipe=str(tmp_path / "r.toml"))
 

@@ -96,7 +96,8 @@ def test_index_disagreeing_with_headers(build):
     reseal(out, INDEX_NAME)
     assert errors(verify(out)) == [
         "model.ghost.weight is in the index but no shard header",
-        "model.norm.weight is in a shard but not the index"]
+        "model.norm.weight is in a shard but not the index",
+        "quantize check could not run: 2 problem(s) in build:"]
 
 
 def test_other_source_with_same_layout_fails_the_samples(build, tmp_path):
@@ -131,3 +132,12 @@ def test_missing_source_is_a_note_not_an_error(build, tmp_path):
     assert rep.ok and rep.compared == 0 and rep.sampled == 20
     assert [f.message for f in rep.findings if f.kind == "source"] == [
         f"source {tmp_path / 'gone'} is not available: samples checked for finite values only"]
+
+
+def test_modelopt_build_verifies_against_its_source(tmp_path, tiny_fp8_llama):
+    """ModelOpt stores the dequant-direction scale_2 = amax / 2688; the samples use it."""
+    out = tmp_path / "mo"
+    convert(tiny_fp8_llama, out, fmt="modelopt", progress=False)
+    rep = verify(out)
+    assert rep.ok, rep.render()
+    assert (rep.sampled, rep.compared) == (20, 20) and 0.3 < rep.worst <= 1.0
