@@ -140,6 +140,14 @@ def _cmd_upload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    """--recipe / --format / --tp / --engine of the commands that plan without converting."""
+    p.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    p.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quantize", description="FP8 -> NVFP4 checkpoint builds.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -186,10 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "without converting")
     f.add_argument("src", help="source folder, descriptor .json, or 'demo'")
     f.add_argument("--out", help="output folder to check (empty, writable, free space)")
-    f.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
-    f.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
-    f.add_argument("--tp", type=int, default=1)
-    f.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    _plan_options(f)
     f.add_argument("--resume", action="store_true", help="--out may hold an unfinished build")
     f.set_defaults(func=_cmd_preflight)
 
@@ -225,10 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recipe", help="inspect recipes").add_subparsers(dest="recipe_cmd", required=True)
     rs = r.add_parser("show", help="what each tensor becomes, and the resulting size (headers only)")
     rs.add_argument("--src", required=True, help="source folder, descriptor .json, or 'demo'")
-    rs.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
-    rs.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
-    rs.add_argument("--tp", type=int, default=1)
-    rs.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    _plan_options(rs)
     rs.add_argument("--summary", action="store_true", help="only the totals")
     rs.set_defaults(func=_cmd_recipe_show)
 
