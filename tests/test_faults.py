@@ -381,7 +381,7 @@ def test_too_little_space_refused_up_front(tmp_path, tiny_fp8_llama, tmpfs, caps
     line = err.splitlines()[1]
     assert line.startswith(f"error: [output] not enough free disk on the filesystem of {fs}: "
                            "need ") and line.endswith(
-        "free 0.1 MiB. Free some space, choose another --out, or point HF_HOME (the download "
+        "free 64.0 KiB. Free some space, choose another --out, or point HF_HOME (the download "
         "cache) at another disk.")
 
 
