@@ -16,6 +16,7 @@ import yaml
 
 from quantize.errors import CardError, OutputError
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
+from quantize.redact import redact
 
 __all__ = ["CARDS", "TEMPLATE", "REPORT", "PLAN", "load_build", "read_gate", "render_card",
            "validate_card"]
@@ -161,6 +162,7 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
         source_files=bool(source_files),
         license=lic)
     card.content = re.sub(r"\n{3,}", "\n\n", card.content)  # blank runs left by template tags
+    card.content = redact(card.content)  # no token reaches a published card
     return card
 
 

@@ -35,3 +35,21 @@ def test_stream_redacts_each_write(monkeypatch):
     s = RedactingStream(inner)
     print("using tok-0123456789 now", file=s)
     assert inner.getvalue() == "using *** now\n"
+
+
+def test_rendered_model_card_carries_no_token(tmp_path, tiny_fp8_llama, monkeypatch):
+    import json
+
+    from quantize.card import render_card
+    from quantize.manifest import MANIFEST_NAME
+    from quantize.pipeline import convert
+
+    token = "hf_" + "Zq81kLmN0pQrStUv" * 2
+    monkeypatch.setenv("HF_TOKEN", token)
+    out = tmp_path / "o"
+    convert(tiny_fp8_llama, out, progress=False)
+    man = json.loads((out / MANIFEST_NAME).read_text())  # as an older tool might have left it
+    man["summary"]["notes"].append(f"fetched with Bearer {token}")
+    (out / MANIFEST_NAME).write_text(json.dumps(man))
+    text = render_card(out, "org/tiny-NVFP4").content
+    assert token not in text and "fetched with Bearer ***" in text
