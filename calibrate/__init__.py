@@ -51,8 +51,10 @@ def calibrate_sequences(src: str | Path, calib: CalibSet, *, all_experts: bool =
     from calibrate.observers import LayerObserver
     from formats.sources import open_source
     from quantize import archs
+    from quantize.memory import bound_allocator, release_freed_memory
 
     t0 = time.perf_counter()
+    bound_allocator()
     source = open_source(src)
     try:
         model = StreamedModel(source, dtype=dtype, device=device)
@@ -63,7 +65,8 @@ def calibrate_sequences(src: str | Path, calib: CalibSet, *, all_experts: bool =
         counts: dict[str, int] = {}
         stats = CalibStats()
         bar = tqdm(total=model.n_layers, desc="calibrate", unit="layer", disable=not progress)
-        for layer in model.layers(all_experts):
+        for i in range(model.n_layers):
+            layer = model.load_layer(i, all_experts)
             modules = {f"{layer.prefix}.{n}" for n in layer.disk_module} | set(layer.disk_module.values())
             with LayerObserver(layer, input_amax, sq_sum, counts, channels) as obs:
                 model.run_layer(layer, hidden, kwargs, carried, on_cache=obs.on_cache)
@@ -72,6 +75,8 @@ def calibrate_sequences(src: str | Path, calib: CalibSet, *, all_experts: bool =
                 stats.kv_amax[attn] = {"k": obs.k_amax, "v": obs.v_amax,
                                        "mla": archs.is_mla_attention(attn, modules)}
             stats.expert_tokens.update(obs.expert_tokens())
+            del layer
+            release_freed_memory()
             bar.update(1)
         bar.close()
     finally:

@@ -349,6 +349,7 @@ class StreamedModel:
         experts = _replace_experts(layer, all_experts)
         prefix = self._prefix(f"layers.{i}")
         origin = self._load(layer, prefix)
+        self.source.close()  # unmap the shards: touched pages would otherwise stay resident
         disk_module = {}
         for name, mod in layer.named_modules():
             if isinstance(mod, nn.Linear) and f"{name}.weight" in origin:

@@ -31,18 +31,19 @@ def input_global_scales(build: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def attach_activation_quant(model, build: str | Path) -> list:
+def attach_activation_quant(model, build: str | Path | dict[str, torch.Tensor]) -> list:
     """Register NVFP4 input fake-quantization on every module of ``model`` named in the
-    build's ``input_global_scale`` tensors. Returns the hook handles (``.remove()`` them to
-    go back to weight-only).
+    build's ``input_global_scale`` tensors (or in a ``{module: float32 [1]}`` dict of input
+    global scales). Returns the hook handles (``.remove()`` them to go back to weight-only).
 
     Raises:
         KeyError: a scaled module does not exist in ``model`` (names must match, as they do
             for dense architectures; fused in-memory experts are not supported).
     """
     modules = dict(model.named_modules())
+    scales = build if isinstance(build, dict) else input_global_scales(build)
     handles = []
-    for name, g in sorted(input_global_scales(build).items()):
+    for name, g in sorted(scales.items()):
         if name not in modules:
             raise KeyError(f"{name} has an input scale in {build} but is not a module of "
                            f"{type(model).__name__}")

@@ -5,7 +5,6 @@ quantize, write one output shard atomically -> index, config, carried files -> m
 Peak memory is one output shard plus the tensors of one fused group, whatever the model size.
 """
 
-import ctypes
 import json
 import time
 from collections import Counter
@@ -26,18 +25,12 @@ from quantize.errors import CalibrationError, OutputError, SourceError
 from quantize.kernels.act_scales import input_global_scale_from_amax
 from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
 from quantize.kernels.scale_search import quantize_nvfp4_search
+from quantize.memory import bound_allocator, release_freed_memory
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
 from quantize.plan import Decision, module_of, plan_tensors
 from quantize.recipe import Target, load_recipe
 
 __all__ = ["Summary", "convert"]
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _LIBC.malloc_trim
-except (OSError, AttributeError):  # not glibc
-    _LIBC = None
-
 
 @dataclass
 class Summary:
@@ -68,26 +61,6 @@ class Summary:
                  f"  ignore: {len(self.ignore)} modules left unquantized"]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def _bound_allocator() -> None:
-    """Serve every allocation of 1 MiB or more with its own mmap (glibc ``mallopt``).
-
-    glibc otherwise raises its mmap threshold after the first large free and carves later
-    tensors out of the heap, where fragmentation makes peak RSS creep up shard after shard;
-    with a fixed threshold peak RSS stays flat in the number of shards (FC-04).
-    """
-    if _LIBC is not None:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-
-
-def _release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS after each shard (glibc ``malloc_trim``)."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -261,7 +234,7 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
                        "decisions": {n: d.target.value for n, d in decisions.items()}})
     _prepare_out(out, resume)
-    _bound_allocator()
+    bound_allocator()
     ledger = Ledger(out, job, resume)
     quant = _Quantizer(source, decisions, dev, scales,
                        calib.stats.channel_sq_mean if calib.stats else None)
@@ -298,7 +271,7 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         tensors.update(kv_tensors.get(shard, {}))
         write_shard_atomic(tensors, out / shard)
         del tensors
-        _release_freed_memory()
+        release_freed_memory()
         ledger.mark(shard)
         written += 1
         bar.update(shard_bytes)

@@ -9,10 +9,18 @@ calibration set excludes those files). W4A4 builds run their activation quantiza
 CPU through ``eval.w4a4``.
 
 Two tables, one run:
-- ``sweep``: W4A4 (RTN weights) calibrated on each ``--datasets`` x ``--samples``;
 - ``methods``: one calibration set, W4A16 with RTN / ``mse`` / ``mse-act`` scales (and
   ``gptq`` when ``--gptq-python`` points at an environment with llm-compressor), W4A4 with
-  RTN / ``mse-act``.
+  RTN / ``mse-act``: each a full build, converted and reloaded.
+- ``sweep``: W4A4 (RTN weights) calibrated on each ``--datasets`` x ``--samples``. A W4A4
+  build's weights are byte-identical to the W4A16 RTN build's (tests/calibrate/
+  test_w4a4_build.py), so each sweep row reuses the ``w4a16-rtn`` build and applies the input
+  global scales the converter computes from that calibration (``quantize.act_plan``), instead
+  of writing the same weights again.
+
+Builds are scored through our own dequantization (``eval.models.dequantized_reference_state``
+in bfloat16, bit-identical to what transformers + compressed-tensors decompress, see
+``eval.showcase``) loaded into a copy of the reference model, which is much faster on CPU.
 
 Writes ``results.json``, ``results.md`` and ``sweep.png`` into ``--out``.
 
@@ -98,18 +106,54 @@ class Scorer:
         self.text_sha = texts_sha256(self.texts)
         self.kl_tokens, self.window = kl_tokens, window
 
-    def __call__(self, build: Path, w4a4: bool) -> dict:
+    def load(self, build: Path):
+        """The build as a model: a copy of the reference holding the build's weights,
+        dequantized by our kernel and rounded to bfloat16 as compressed-tensors does."""
+        import copy
+
+        import torch
+
+        from eval.models import dequantized_reference_state
+
+        state = dequantized_reference_state(build, weight_dtype=torch.bfloat16)
+        model = copy.deepcopy(self.ref)
+        want = model.state_dict()
+        missing = [k for k in want if k not in state and not (k == "lm_head.weight" and "lm_head.weight" not in state
+                                                               and self.ref.config.tie_word_embeddings)]
+        if missing:
+            raise RuntimeError(f"{build}: no weights for {missing[:3]}")
+        model.load_state_dict({k: v.float() for k, v in state.items() if k in want}, strict=False)
+        return model
+
+    def __call__(self, build: Path, act_scales=None) -> dict:
         from eval.kl import teacher_forced_kl
-        from eval.models import load_build_model
         from eval.w4a4 import attach_activation_quant
 
-        model = load_build_model(build)
-        if w4a4:
-            attach_activation_quant(model, build)
+        model = self.load(build)
+        if act_scales is not None:
+            attach_activation_quant(model, act_scales)
         r = teacher_forced_kl(self.ref, model, self.tok, self.texts, max_tokens=self.kl_tokens,
                               window=self.window)
         del model
         return r
+
+
+def act_scales_from_stats(src: Path, stats_dir: Path) -> dict:
+    """Input global scales a W4A4 build of ``src`` would carry for these statistics."""
+    from calibrate.stats import DEFAULT_MIN_TOKENS, CalibStats
+    from formats.sources import open_source
+    from quantize.act_plan import input_amax_plan
+    from quantize.kernels.act_scales import input_global_scale_from_amax
+    from quantize.plan import plan_tensors
+    from quantize.recipe import load_recipe
+
+    source = open_source(src)
+    try:
+        decisions = plan_tensors(source, load_recipe("weight-only"))
+    finally:
+        source.close()
+    amax = input_amax_plan(decisions, CalibStats.load(stats_dir), DEFAULT_MIN_TOKENS)
+    return {m: input_global_scale_from_amax(a) for m, a in amax.items()}
 
 
 def run_variant(src: Path, work: Path, scorer: Scorer, v: dict, stats_cache: dict, args) -> dict:
@@ -128,6 +172,9 @@ def run_variant(src: Path, work: Path, scorer: Scorer, v: dict, stats_cache: dic
             stats_cache[key] = stats_dir
         stats_dir = stats_cache[key]
     t_cal = time.perf_counter() - t0
+    if v["table"] == "sweep":  # reuse the RTN weights, apply this calibration's input scales
+        r = scorer(work / "build-w4a16-rtn", act_scales_from_stats(src, stats_dir))
+        return _row(v, r, t_cal, 0.0)
     build = work / f"build-{v['name']}"
     shutil.rmtree(build, ignore_errors=True)
     if v["scales"] == "gptq":
@@ -139,8 +186,13 @@ def run_variant(src: Path, work: Path, scorer: Scorer, v: dict, stats_cache: dic
         convert(src, build, scheme=v["scheme"], scales=v["scales"], calibration=stats_dir,
                 progress=False, device="cpu")
     t_conv = time.perf_counter() - t0 - t_cal
-    r = scorer(build, v["scheme"] == "w4a4")
-    shutil.rmtree(build, ignore_errors=True)
+    r = scorer(build, build if v["scheme"] == "w4a4" else None)
+    if v["name"] != "w4a16-rtn":  # kept: the sweep rows reuse its weights
+        shutil.rmtree(build, ignore_errors=True)
+    return _row(v, r, t_cal, t_conv)
+
+
+def _row(v: dict, r: dict, t_cal: float, t_conv: float) -> dict:
     row = dict(v, mean_kl=r["mean_kl"], top1_agree=r["top1_agree"], ppl_ref=r["ppl_ref"],
                ppl_test=r["ppl_test"], kl_tokens=r["tokens"], seconds_calibrate=round(t_cal, 1),
                seconds_convert=round(t_conv, 1))
@@ -206,6 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--kl-tokens", type=int, default=1024)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--skip", default="", help="comma list of tables to skip: methods, sweep")
+    p.add_argument("--only", default="", help="comma list of variant names to run (default all)")
     p.add_argument("--gptq-python", default=os.environ.get("SPARK_QUANT_GPTQ_PYTHON"),
                    help="python of an environment with llm-compressor (adds a GPTQ row)")
     args = p.parse_args(argv)
@@ -226,10 +279,14 @@ def main(argv=None) -> int:
             variants.insert(3, dict(table="methods", name="w4a16-gptq", scheme="w4a16", scales="gptq",
                                     dataset=md, samples=ms))
     if "sweep" not in args.skip:
+        if not any(v["name"] == "w4a16-rtn" for v in variants):
+            variants.insert(0, dict(table="base", name="w4a16-rtn", scheme="w4a16", scales="rtn"))
         for ds in args.datasets.split(","):
             for n in (int(x) for x in args.samples.split(",")):
                 variants.append(dict(table="sweep", name=f"w4a4-{ds}-{n}", scheme="w4a4", scales="rtn",
                                      dataset=ds, samples=n))
+    if args.only:
+        variants = [v for v in variants if v["name"] in args.only.split(",")]
     rows, stats_cache = [], {}
     for v in variants:
         rows.append(run_variant(src, out, scorer, v, stats_cache, args))
