@@ -12,11 +12,12 @@ Two tables, one run:
 - ``methods``: one calibration set, W4A16 with RTN / ``mse`` / ``mse-act`` scales (and
   ``gptq`` when ``--gptq-python`` points at an environment with llm-compressor), W4A4 with
   RTN / ``mse-act``: each a full build, converted and reloaded.
-- ``sweep``: W4A4 (RTN weights) calibrated on each ``--datasets`` x ``--samples``. A W4A4
-  build's weights are byte-identical to the W4A16 RTN build's (tests/calibrate/
-  test_w4a4_build.py), so each sweep row reuses the ``w4a16-rtn`` build and applies the input
-  global scales the converter computes from that calibration (``quantize.act_plan``), instead
-  of writing the same weights again.
+- ``sweep``: W4A4 (RTN weights) calibrated on each ``--datasets`` x ``--samples``.
+
+A W4A4 build's weights are byte-identical to the W4A16 build's with the same block scales
+(tests/calibrate/test_w4a4_build.py), so every W4A4 row reuses that W4A16 build and applies
+the input global scales the converter computes from its calibration (``quantize.act_plan``)
+instead of writing the same weights again (the row says ``reused``).
 
 Builds are scored through our own dequantization (``eval.models.dequantized_reference_state``
 in bfloat16, bit-identical to what transformers + compressed-tensors decompress, see
@@ -162,19 +163,21 @@ def run_variant(src: Path, work: Path, scorer: Scorer, v: dict, stats_cache: dic
 
     t0 = time.perf_counter()
     stats_dir = None
-    if v.get("dataset"):
+    if v.get("dataset") and v["scales"] != "gptq":  # GPTQ calibrates inside llm-compressor
         key = (v["dataset"], v["samples"])
         if key not in stats_cache:
             stats_dir = work / f"stats-{v['dataset']}-{v['samples']}"
             if not (stats_dir / "calibration.json").is_file():
                 calibrate(src, v["dataset"], samples=v["samples"], seq_len=args.seq_len,
-                          seed=args.seed, progress=False).save(stats_dir)
+                          seed=args.seed, progress=False, device=args.device).save(stats_dir)
             stats_cache[key] = stats_dir
         stats_dir = stats_cache[key]
     t_cal = time.perf_counter() - t0
-    if v["table"] == "sweep":  # reuse the RTN weights, apply this calibration's input scales
-        r = scorer(work / "build-w4a16-rtn", act_scales_from_stats(src, stats_dir))
-        return _row(v, r, t_cal, 0.0)
+    reuse = work / f"build-w4a16-{v['scales']}"
+    if v["scheme"] == "w4a4" and (reuse / "spark_quant_manifest.json").is_file():
+        # same weights as the W4A16 build with these scales: apply this calibration's input scales
+        r = scorer(reuse, act_scales_from_stats(src, stats_dir))
+        return _row(dict(v, reused=reuse.name), r, t_cal, 0.0)
     build = work / f"build-{v['name']}"
     shutil.rmtree(build, ignore_errors=True)
     if v["scales"] == "gptq":
@@ -184,11 +187,9 @@ def run_variant(src: Path, work: Path, scorer: Scorer, v: dict, stats_cache: dic
                      seed=args.seed, python=args.gptq_python)
     else:
         convert(src, build, scheme=v["scheme"], scales=v["scales"], calibration=stats_dir,
-                progress=False, device="cpu")
+                progress=False, device=args.device)
     t_conv = time.perf_counter() - t0 - t_cal
     r = scorer(build, build if v["scheme"] == "w4a4" else None)
-    if v["name"] != "w4a16-rtn":  # kept: the sweep rows reuse its weights
-        shutil.rmtree(build, ignore_errors=True)
     return _row(v, r, t_cal, t_conv)
 
 
@@ -250,14 +251,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="build/calib-sweep")
     p.add_argument("--cache", default=os.environ.get("SPARK_QUANT_CACHE", str(Path.home() / ".cache" / "spark-quant")))
     p.add_argument("--datasets", default="gsm8k,arc,essays,random")
-    p.add_argument("--samples", default="8,32")
+    p.add_argument("--samples", default="4,16")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--methods-dataset", default="gsm8k")
-    p.add_argument("--methods-samples", type=int, default=32)
+    p.add_argument("--methods-samples", type=int, default=16)
     p.add_argument("--kl-tokens", type=int, default=1024)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--skip", default="", help="comma list of tables to skip: methods, sweep")
+    p.add_argument("--device", default="cpu", help="device for calibration and conversion")
     p.add_argument("--only", default="", help="comma list of variant names to run (default all)")
     p.add_argument("--gptq-python", default=os.environ.get("SPARK_QUANT_GPTQ_PYTHON"),
                    help="python of an environment with llm-compressor (adds a GPTQ row)")
@@ -267,24 +269,22 @@ def main(argv=None) -> int:
     src = qwen_fp8_source(Path(args.cache))
     scorer = Scorer(src, args.kl_tokens, args.window)
     md, ms = args.methods_dataset, args.methods_samples
-    variants = []
-    if "methods" not in args.skip:
-        variants += [
-            dict(table="methods", name="w4a16-rtn", scheme="w4a16", scales="rtn"),
-            dict(table="methods", name="w4a16-mse", scheme="w4a16", scales="mse"),
-            dict(table="methods", name="w4a16-mse-act", scheme="w4a16", scales="mse-act", dataset=md, samples=ms),
-            dict(table="methods", name="w4a4-rtn", scheme="w4a4", scales="rtn", dataset=md, samples=ms),
-            dict(table="methods", name="w4a4-mse-act", scheme="w4a4", scales="mse-act", dataset=md, samples=ms)]
-        if args.gptq_python:
-            variants.insert(3, dict(table="methods", name="w4a16-gptq", scheme="w4a16", scales="gptq",
-                                    dataset=md, samples=ms))
+    # cheapest and most informative first: the RTN build, whose weights the W4A4 rows reuse
+    variants = [dict(table="methods", name="w4a16-rtn", scheme="w4a16", scales="rtn"),
+                dict(table="methods", name="w4a4-rtn", scheme="w4a4", scales="rtn", dataset=md, samples=ms)]
     if "sweep" not in args.skip:
-        if not any(v["name"] == "w4a16-rtn" for v in variants):
-            variants.insert(0, dict(table="base", name="w4a16-rtn", scheme="w4a16", scales="rtn"))
-        for ds in args.datasets.split(","):
-            for n in (int(x) for x in args.samples.split(",")):
+        for n in sorted((int(x) for x in args.samples.split(",")), reverse=True):
+            for ds in args.datasets.split(","):
                 variants.append(dict(table="sweep", name=f"w4a4-{ds}-{n}", scheme="w4a4", scales="rtn",
                                      dataset=ds, samples=n))
+    if "methods" not in args.skip:
+        variants += [
+            dict(table="methods", name="w4a16-mse", scheme="w4a16", scales="mse"),
+            dict(table="methods", name="w4a16-mse-act", scheme="w4a16", scales="mse-act", dataset=md, samples=ms),
+            dict(table="methods", name="w4a4-mse-act", scheme="w4a4", scales="mse-act", dataset=md, samples=ms)]
+        if args.gptq_python:
+            variants.append(dict(table="methods", name="w4a16-gptq", scheme="w4a16", scales="gptq",
+                                 dataset=md, samples=ms))
     if args.only:
         variants = [v for v in variants if v["name"] in args.only.split(",")]
     rows, stats_cache = [], {}

@@ -15,7 +15,7 @@ def peak_rss():  # VmHWM is reset by exec, unlike ru_maxrss
     return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 
 g = torch.Generator().manual_seed(0)
-seqs = [torch.randint(0, 256, (1, 64), generator=g) for _ in range(4)]
+seqs = [torch.randint(0, 256, (1, 32), generator=g) for _ in range(2)]
 calibrate_sequences(sys.argv[1], CalibSet(seqs, {}), progress=False)
 print(peak_rss())
 """
@@ -29,7 +29,7 @@ def peak_rss(src) -> int:
 def test_peak_rss_flat_in_depth(tmp_path):
     # one layer: 4 x 512^2 attention (GQA: q, o full; k, v half) + 3 x 512 x 2048 MLP
     # = 3.7 M parameters = 15 MiB in float32; 16 layers would be 240 MiB
-    kw = dict(hidden=512, inter=2048)
+    kw = dict(hidden=512, inter=2048, reference=False)
     small, _ = build_tiny(tmp_path / "l4", "llama", n_layers=4, **kw)
     deep, _ = build_tiny(tmp_path / "l16", "llama", n_layers=16, **kw)
     layer_bytes = (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 2048) * 4

@@ -49,12 +49,13 @@ def _model_class(kind: str):
 
 
 def build_tiny(folder: Path, kind: str, n_layers: int = 2, hidden: int = 64, inter: int = 96,
-               seed: int = 0, edit=None) -> tuple[Path, Path]:
-    """Write ``folder/fp8`` (block FP8 source, 2 shards) and ``folder/ref`` (dense, exactly
-    the dequantized FP8 values). ``edit(state_dict)`` may change weights first (routing).
+               seed: int = 0, edit=None, reference: bool = True) -> tuple[Path, Path | None]:
+    """Write ``folder/fp8`` (block FP8 source, 2 shards) and, if ``reference``, ``folder/ref``
+    (dense, exactly the dequantized FP8 values). ``edit(state_dict)`` may change weights
+    first (routing).
 
     Returns:
-        (fp8 source folder, dense reference folder).
+        (fp8 source folder, dense reference folder or None).
     """
     torch.manual_seed(seed)
     cfg = _config(kind, n_layers, hidden, inter)
@@ -79,6 +80,8 @@ def build_tiny(folder: Path, kind: str, n_layers: int = 2, hidden: int = 64, int
         else:
             fp8[name] = t
     src = write_checkpoint(folder / "fp8", fp8, dict(config, quantization_config=BLOCK_FP8_QC), n_shards=2)
+    if not reference:
+        return src, None
     s = open_source(src)
     dense = {n: s.read(n).contiguous() for n in s.tensors}
     s.close()
