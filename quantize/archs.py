@@ -32,7 +32,9 @@ __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "mo
            "sensitive_role", "num_routed_experts", "mtp_layer_indices", "text_config",
            "tp_split", "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS",
            "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role",
-           "moe_layer_indices", "check_layout", "MTP_REQUIRED_PARTS"]
+           "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
+           "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
+           "MTP_REQUIRED_PARTS"]
 
 
 @dataclass(frozen=True)
@@ -414,6 +416,46 @@ def tp_replicated_role(name: str, shape: tuple[int, ...]) -> str | None:
     if tp_split(module) != "replicated":
         return None
     return next((label for label, pat in _REPLICA_LABELS if pat.search(module)), "replicated")
+
+# ---- calibration (layer-streamed forward through the transformers classes) ---------------
+
+FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+"""transformers >= 5 keeps routed experts in memory as two 3-D parameters [E, 2I, H] (gate
+rows then up rows) and [E, H, I] (``DeepseekV3Experts``, ``GlmMoeDsaExperts``,
+``Glm5NextTextExperts``, ``Qwen3MoeExperts``); on disk they are per expert."""
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""On-disk per-expert Linears: ``<block>.experts.<E>.{gate_proj,up_proj,down_proj}``
+(formats_spec.md A.3.1, A.3.3)."""
+
+LAYER_OUTPUT_CARRY: dict[str, tuple[str, ...]] = {
+    # Glm5NextTextDecoderLayer returns (hidden_states, topk_indices); the model passes the
+    # indices to the next layer as prev_topk_indices (DSA cross-layer top-k sharing).
+    "glm5_next_text": ("prev_topk_indices",),
+    "glm5_next": ("prev_topk_indices",),
+}
+"""Decoder layers that return ``(hidden_states, *extras)``: the keyword arguments of the next
+layer that the extras feed, in order. Layers of other model types return the hidden state."""
+
+ATTENTION_CHILDREN = ("self_attn", "attention", "attn")
+"""Attribute names of a decoder layer's attention block; compressed-tensors stores FP8 KV
+scales on it as ``<layer>.self_attn.k_scale`` (formats_spec.md B.4)."""
+
+_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
+
+
+def expert_of(module: str) -> tuple[str, int, str] | None:
+    """``model.layers.3.mlp.experts.7.up_proj`` -> ``("model.layers.3.mlp.experts", 7,
+    "up_proj")``; None for a module that is not a routed expert's Linear."""
+    m = _EXPERT.match(module)
+    return (m["block"], int(m["e"]), m["proj"]) if m else None
+
+
+def is_mla_attention(attention: str, modules: set[str]) -> bool:
+    """True for DeepSeek / GLM multi-head latent attention: the KV cache holds the
+    compressed latent (``kv_a_layernorm`` output + the rope part of ``kv_a_proj_with_mqa``),
+    one record per token, quantized with the layer's ``k_scale`` (vLLM MLAAttention)."""
+    return f"{attention}.kv_a_proj_with_mqa" in modules
 
 
 # ---- config vs checkpoint layout (pre-flight) ---------------------------------------------

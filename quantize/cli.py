@@ -49,10 +49,21 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     from quantize.pipeline import convert
 
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source)
+    if args.method == "gptq":
+        from calibrate.gptq import convert_gptq
+
+        if not args.dataset or args.scheme != "w4a16" or not isinstance(src, Path):
+            raise SparkQuantError("--method gptq needs a local --src and --dataset, and runs --scheme w4a16 only")
+        convert_gptq(src, out, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len,
+                     python=args.gptq_python)
+        print(f"wrote {out} (GPTQ NVFP4A16 through llm-compressor)")
+        return 0
     try:
         summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
                           device=args.device, resume=args.resume, progress=not args.quiet,
-                          source_info=info, tp=args.tp, engine=args.engine)
+                          source_info=info, tp=args.tp, engine=args.engine,
+                          calibration=args.calibration, kv_cache=args.kv_cache, scales=args.scales,
+                          min_expert_tokens=args.min_expert_tokens)
     except (SparkQuantError, KeyboardInterrupt) as e:
         hint = resume_hint(out)
         if hint:
@@ -117,6 +128,26 @@ def _cmd_recipe_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from calibrate import calibrate
+
+    src = _local_src(args.src)
+    stats = calibrate(src, args.dataset, samples=args.samples, seq_len=args.seq_len, seed=args.seed,
+                      chat_template=not args.no_chat_template, all_experts=args.all_experts,
+                      channels=not args.no_channels, device=args.device,
+                      dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype],
+                      progress=not args.quiet)
+    out = stats.save(args.out)
+    m = stats.meta
+    print(f"wrote {out}: {m['samples']} samples, {m['tokens']} tokens of {m['dataset']}, "
+          f"{len(stats.input_amax)} Linears, {len(stats.kv_amax)} attention blocks, "
+          f"{m['seconds']:.1f} s")
+    print(stats.coverage_report(args.min_expert_tokens))
+    return 0
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from quantize.check import check_build
 
@@ -159,8 +190,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a Hub --src: keep downloaded shards in the cache (default: delete "
                         "each once converted; shards already cached are never deleted)")
     n.add_argument("--out", help="output folder (default: ./<src name>-NVFP4)")
-    n.add_argument("--scheme", default="w4a16", choices=["w4a16"],
-                   help="w4a16: weight-only NVFP4 (no calibration data)")
+    n.add_argument("--scheme", default="w4a16", choices=["w4a16", "w4a4"],
+                   help="w4a16: weight-only NVFP4 (no calibration data); w4a4: NVFP4 "
+                        "activations too (needs --calibration)")
+    n.add_argument("--calibration", help="stats folder from `quantize calibrate`")
+    n.add_argument("--kv-cache", choices=["fp8"],
+                   help="declare an FP8 KV cache; with --calibration write k/v scales")
+    n.add_argument("--scales", default="rtn", choices=["rtn", "mse", "mse-act"],
+                   help="block scales: round-to-nearest, least-squares search, or the search "
+                        "weighted by calibration activations (compressed-tensors format only)")
+    n.add_argument("--min-expert-tokens", type=int, default=None,
+                   help="experts with fewer calibration tokens use the layer max (default 8)")
+    n.add_argument("--method", default="stream", choices=["stream", "gptq"],
+                   help="stream: this converter; gptq: GPTQ through llm-compressor in its own "
+                        "environment (models that fit in memory; see calibrate/gptq.py)")
+    n.add_argument("--dataset", help="--method gptq: calibration set (as for calibrate)")
+    n.add_argument("--samples", type=int, default=128, help="--method gptq: calibration samples")
+    n.add_argument("--seq-len", type=int, default=512, help="--method gptq: tokens per sample")
+    n.add_argument("--gptq-python", help="--method gptq: python of the llm-compressor environment")
     n.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
@@ -251,6 +298,27 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--base-model", help="override the card's base_model (default: the source repo)")
     u.add_argument("--license", help="override the card's license (default: the source's)")
     u.set_defaults(func=_cmd_upload)
+
+    cb = sub.add_parser("calibrate", help="record activation statistics, one layer at a time")
+    cb.add_argument("--src", required=True, help="source folder, or 'demo'")
+    cb.add_argument("--dataset", required=True,
+                   help="gsm8k | arc | essays | random, a local jsonl/parquet/txt file or "
+                        "folder, or a `datasets` name NAME[:CONFIG][@SPLIT]")
+    cb.add_argument("--samples", type=int, default=128)
+    cb.add_argument("--seq-len", type=int, default=512)
+    cb.add_argument("--seed", type=int, default=0)
+    cb.add_argument("--out", default="calibration", help="stats folder to write")
+    cb.add_argument("--all-experts", action="store_true",
+                   help="also run every routed expert on every token (statistics only)")
+    cb.add_argument("--no-chat-template", action="store_true")
+    cb.add_argument("--no-channels", action="store_true",
+                   help="skip per-channel statistics (needed only by --scales mse-act)")
+    cb.add_argument("--min-expert-tokens", type=int, default=8,
+                   help="report experts that received fewer tokens")
+    cb.add_argument("--device", default="cpu")
+    cb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    cb.add_argument("--quiet", action="store_true")
+    cb.set_defaults(func=_cmd_calibrate)
     return p
 
 

@@ -41,6 +41,10 @@ class CardError(SparkQuantError, ValueError):
     """The model card's metadata is invalid; ``key`` names the field."""
 
 
+class CalibrationError(SparkQuantError, ValueError):
+    """Calibration statistics are missing, incomplete or do not match the source."""
+
+
 LEVELS = ("error", "warning", "info")
 
 

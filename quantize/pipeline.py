@@ -7,11 +7,11 @@ output folder and its free disk) -> per source shard, read lazily, refuse NaN / 
 amax, quantize (NVFP4 in the output format's arithmetic order, block FP8 passed through,
 MXFP8), check the shard against the planned layout, write it atomically -> index, carried
 files, config (+ hf_quant_config.json for ModelOpt) -> ``quantize check`` -> manifest (only
-when the check has no error).
+when the check has no error). Calibration statistics (``quantize calibrate``) add W4A4 input
+scales and FP8 KV scales, and weight the block-scale search (``--scales``).
 Peak memory is one output shard plus the tensors of one fused group, whatever the model size.
 """
 
-import ctypes
 import json
 import time
 from collections import Counter
@@ -21,29 +21,28 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from calibrate.stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
 from formats.shards import discard, dtype_name, is_temp_name, write_shard_atomic
 from formats.sources import Source
 from quantize import __version__
-from quantize.errors import CheckFailed, OutputError, SourceError
+from quantize.act_plan import calibration_record, input_amax_plan, kv_scale_tensors
+from quantize.errors import CalibrationError, CheckFailed, OutputError, SourceError
+from quantize.kernels.act_scales import input_global_scale_from_amax, input_scale_from_amax
 from quantize.kernels.fp8 import quantize_fp8_block
 from quantize.kernels.mxfp8 import quantize_mxfp8
 from quantize.kernels.nvfp4 import (global_scale_from_amax, quantize_nvfp4, quantize_nvfp4_scale2,
                                     scale_2_from_amax)
+from quantize.kernels.scale_search import quantize_nvfp4_search
+from quantize.memory import bound_allocator, release_freed_memory
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
-from quantize.plan import Decision, dropped_tensors, tied_embeddings, fp8_passthrough, module_of
+from quantize.plan import (Decision, dropped_tensors, fp8_passthrough, module_of, predict_outputs,
+                           tied_embeddings)
 from quantize.preflight import ABSURD_AMAX, MIN_AMAX, preflight
 from quantize.recipe import Target, load_recipe
 
 __all__ = ["Summary", "convert"]
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _LIBC.malloc_trim
-except (OSError, AttributeError):  # not glibc
-    _LIBC = None
-
 
 @dataclass
 class Summary:
@@ -76,26 +75,6 @@ class Summary:
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  check: {f.render()}" for f in self.findings]
         return "\n".join(lines)
-
-
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def _bound_allocator() -> None:
-    """Serve every allocation of 1 MiB or more with its own mmap (glibc ``mallopt``).
-
-    glibc otherwise raises its mmap threshold after the first large free and carves later
-    tensors out of the heap, where fragmentation makes peak RSS creep up shard after shard;
-    with a fixed threshold peak RSS stays flat in the number of shards (FC-04).
-    """
-    if _LIBC is not None:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-
-
-def _release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS after each shard (glibc ``malloc_trim``)."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -177,18 +156,46 @@ def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> 
     return {f: source.files.identity(f) for f in sorted(files)}
 
 
+SCALE_METHODS = ("rtn", "mse", "mse-act")
+"""Block-scale choice: round-to-nearest, least-squares search (``kernels.scale_search``), or
+the search weighted by calibration activations (needs ``calibration``)."""
+
+
+def _check_scale_method(scales: str, order: str) -> None:
+    """The block-scale search runs in compressed-tensors' arithmetic order only.
+
+    Raises:
+        ValueError: unknown method, or a search asked for a ModelOpt (``scale_2``) build.
+    """
+    if scales not in SCALE_METHODS:
+        raise ValueError(f"unknown --scales {scales!r} (valid: {', '.join(SCALE_METHODS)})")
+    if scales != "rtn" and order != "global":
+        raise ValueError(f"--scales {scales} searches block scales in compressed-tensors' arithmetic "
+                         f"order (quantize-direction global scale); the {order!r} order of this output "
+                         "format (ModelOpt) is not supported by the search yet: use --scales rtn or "
+                         "--format compressed-tensors")
+
+
 class _Quantizer:
     """Quantizes one logical tensor, sharing the global scale across its fused group.
 
     NVFP4 uses the output format's arithmetic order (``writer.NVFP4_ORDER``): the
     compressed-tensors quantize-direction global scale, or ModelOpt's dequant-direction
     ``scale_2``; both scalars come from the same fused-group amax. ``known_amax`` holds the
-    amax values an interrupted run already measured (from the resume ledger).
+    amax values an interrupted run already measured (from the resume ledger). ``scales``
+    (:data:`SCALE_METHODS`) picks round-to-nearest block scales or the least-error search,
+    weighted per input channel by ``channel_weight[module]`` for ``mse-act``.
+
+    Raises:
+        ValueError: from :func:`_check_scale_method`.
     """
 
     def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device,
-                 order: str = "global", known_amax: dict[str, float] | None = None):
+                 order: str = "global", known_amax: dict[str, float] | None = None,
+                 scales: str = "rtn", channel_weight: dict[str, torch.Tensor] | None = None):
+        _check_scale_method(scales, order)
         self.source, self.decisions, self.device, self.order = source, decisions, device, order
+        self.scales, self.channel_weight = scales, channel_weight or {}
         self._amax = {n: torch.tensor(v, dtype=torch.float32) for n, v in (known_amax or {}).items()}
 
     def amaxes(self) -> dict[str, dict]:
@@ -203,7 +210,7 @@ class _Quantizer:
 
     def _load(self, name: str, nvfp4: bool = False) -> torch.Tensor:
         w = self.source.read(name).to(torch.float32)
-        self._amax[name] = torch.tensor(_checked_amax(name, w, self.source, nvfp4))
+        self._amax[name] = torch.tensor(_checked_amax(name, w, self.source, nvfp4) or 0.0)
         return w
 
     def amax(self, name: str) -> torch.Tensor:
@@ -219,8 +226,11 @@ class _Quantizer:
         g, s2 = global_scale_from_amax(amax), scale_2_from_amax(amax)
         if self.order == "scale_2":
             packed, scale = quantize_nvfp4_scale2(w.to(self.device), s2)
-        else:
+        elif self.scales == "rtn":
             packed, scale = quantize_nvfp4(w.to(self.device), g)
+        else:
+            cw = self.channel_weight.get(module_of(name)) if self.scales == "mse-act" else None
+            packed, scale = quantize_nvfp4_search(w.to(self.device), g, channel_weight=cw)
         return packed.cpu(), scale.cpu(), g, s2
 
     def fp8_block(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,6 +243,51 @@ class _Quantizer:
 
     def mxfp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_mxfp8(self._load(name))
+
+
+@dataclass
+class _Calibration:
+    stats: "CalibStats | None"
+    sha256: str | None
+    min_tokens: int
+    notes: list[str]
+
+
+def _calibration(path, scheme: str, kv_cache: str | None, scales: str, order: str,
+                 min_tokens: int | None) -> _Calibration:
+    """Load and check the calibration options together, before any work."""
+    if scheme not in ("w4a16", "w4a4"):
+        raise ValueError(f"unknown scheme {scheme!r} (valid: w4a16, w4a4)")
+    _check_scale_method(scales, order)
+    if kv_cache not in (None, "fp8"):
+        raise ValueError(f"unknown --kv-cache {kv_cache!r} (valid: fp8)")
+    need = [why for why, on in (("--scheme w4a4", scheme == "w4a4"), ("--scales mse-act", scales == "mse-act"))
+            if on]
+    min_tokens = DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens
+    if path is None:
+        if need:
+            raise CalibrationError(f"{need[0]} needs --calibration STATS (run `quantize calibrate` first)")
+        notes = ["FP8 KV cache declared without calibration: engines use k/v scales of 1.0"] if kv_cache else []
+        return _Calibration(None, None, min_tokens, notes)
+    stats = CalibStats.load(path)
+    if scales == "mse-act" and not stats.channel_sq_mean:
+        raise CalibrationError(f"--scales mse-act needs channel statistics; {path} has none "
+                               "(recalibrate without --no-channels)")
+    p = Path(path)
+    digest = fingerprint({"json": (p / STATS_FILE if p.is_dir() else p).read_text()})
+    notes = []
+    bad = stats.uncovered_experts(min_tokens)
+    if bad and scheme == "w4a4":
+        notes.append(f"{len(bad)} routed expert(s) saw fewer than {min_tokens} calibration tokens and use "
+                     "the layer's max input amax over experts (listed in the manifest)")
+    return _Calibration(stats, digest, min_tokens, notes)
+
+
+def _model_dtype(config: dict) -> torch.dtype:
+    """The checkpoint's declared dtype (``torch_dtype`` / ``dtype``), bfloat16 by default."""
+    cfg = config.get("text_config") or config
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return {"float32": torch.float32, "float16": torch.float16}.get(name, torch.bfloat16)
 
 
 def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tuple], shard: str) -> None:
@@ -248,14 +303,17 @@ def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tup
 def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
             resume: bool = False, progress: bool = True, source_info: dict | None = None,
-            tp: int = 1, engine: str = "vllm") -> Summary:
+            tp: int = 1, engine: str = "vllm", calibration: "str | Path | None" = None,
+            kv_cache: str | None = None, scales: str = "rtn",
+            min_expert_tokens: int | None = None) -> Summary:
     """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
 
     Args:
         src: folder with config.json and safetensors shards (block FP8, compressed-tensors
             FP8, or dense), or an opened ``Source`` (``quantize.hub`` streams one from the Hub).
         out: output folder; must be empty unless ``resume``.
-        scheme: ``w4a16`` (weight-only NVFP4).
+        scheme: ``w4a16`` (weight-only NVFP4) or ``w4a4`` (NVFP4 activations too: needs
+            ``calibration``; writes each module's input scale, shared in a fused group).
         fmt: output layout, see ``formats.OutputFormat``.
         recipe: preset name or TOML path (``quantize.recipe``).
         device: ``cpu``, ``cuda`` or ``auto``.
@@ -267,12 +325,19 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             final folder is byte-identical to an uninterrupted run.
         source_info: extra provenance (repo id, commit, file hashes) recorded in the manifest
             and part of the resume fingerprint.
+        calibration: a stats folder from ``quantize calibrate`` (``calibrate.stats``).
+        kv_cache: ``fp8`` declares an FP8 KV cache; with ``calibration`` the k/v scales
+            (amax / 448) are written per attention block, else engines use 1.0.
+        scales: one of :data:`SCALE_METHODS` (the searches need the compressed-tensors format).
+        min_expert_tokens: routed experts with fewer calibration tokens take the layer's max
+            over experts as input amax and are listed in the manifest (default 8).
 
     Returns:
         Summary of the run.
 
     Raises:
-        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named;
+        SourceError, RecipeError, OutputError, CalibrationError, ValueError: with the tensor,
+            shard or key named;
             OutputError also when the free disk cannot hold the rest of the build.
         CheckFailed: ``quantize check`` found errors in the written build (no manifest is
             written, so the folder is not a finished build).
@@ -285,9 +350,15 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
     pre = preflight(src, out, recipe=rec, resume=resume, fmt=fmt, tp=tp, engine=engine,
                     carry_skip=_CARRY_SKIP)
     pre.raise_if_errors(Path(src).name if not isinstance(src, Source) else src.folder.name)
-    source, decisions, predicted = pre.source, pre.decisions, pre.predicted
+    source, decisions = pre.source, pre.decisions
     src = source.folder
-    notes = [f"{f.level}: {f.message}" for f in pre.findings]
+    calib = _calibration(calibration, scheme, kv_cache, scales, writer.NVFP4_ORDER, min_expert_tokens)
+    input_amax = input_amax_plan(decisions, calib.stats, calib.min_tokens) if scheme == "w4a4" else {}
+    kv_dtype = _model_dtype(source.config)
+    kv_tensors = kv_scale_tensors(source, calib.stats, writer, kv_dtype) if kv_cache and calib.stats else {}
+    predicted = predict_outputs(source, decisions, fmt, scheme=scheme, kv_scales={
+        attn: dtype_name(kv_dtype) for attn in (calib.stats.kv_amax if kv_tensors else {})})
+    notes = [f"{f.level}: {f.message}" for f in pre.findings] + list(calib.notes)
     skip = dropped_tensors(source)
     tied = tied_embeddings(source.config)
     if skip:
@@ -306,14 +377,17 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
     headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
     options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256,
                "tp": tp, "engine": engine}
+    if calib.stats is not None or kv_cache or scales != "rtn":
+        options.update(kv_cache=kv_cache, scales=scales, calibration_sha256=calib.sha256)
     job = fingerprint({"tool": __version__, "options": options, "headers": headers,
                        "decisions": {n: d.target.value for n, d in decisions.items()},
                        "source": source_info or {}})
     _prepare_out(out, resume)
-    _bound_allocator()
+    bound_allocator()
     ledger = Ledger(out, job, resume)
     quant = _Quantizer(source, decisions, dev, writer.NVFP4_ORDER,
-                       ledger.known_amax(source.files.identity))
+                       ledger.known_amax(source.files.identity), scales,
+                       calib.stats.channel_sq_mean if calib.stats else None)
     written, skipped, out_shards = 0, 0, []
     bytes_in = sum(i.nbytes for i in source.infos.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
@@ -338,7 +412,12 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             d = decisions[t.name]
             if d.target is Target.NVFP4:
                 packed, scale, g, s2 = quant(t.name)
-                tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g, s2))
+                mod = module_of(t.name)
+                a_in = input_amax.get(mod)
+                tensors.update(writer.emit_nvfp4(
+                    mod, packed, scale, g, s2,
+                    input_global_scale=input_global_scale_from_amax(a_in) if a_in is not None else None,
+                    input_scale=input_scale_from_amax(a_in) if a_in is not None else None))
                 _shard_stats(stats, t.name, quant.amax(t.name).item(), scale)
                 elements += t.numel
             elif d.target is Target.FP8_BLOCK:
@@ -353,10 +432,11 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
                 amax = _checked_amax(t.name, x, source, nvfp4=False)
                 _shard_stats(stats, t.name, amax if x.ndim == 2 else None)
                 tensors[t.name] = x
+            tensors.update(kv_tensors.get(t.name, {}))
         _assert_predicted(tensors, {k: v for t in members for k, v in predicted[t.name].items()}, shard)
         write_shard_atomic(tensors, out / shard)
         del tensors
-        _release_freed_memory()
+        release_freed_memory()
         ledger.mark(shard, deps, quant.amaxes(), stats)
         written += 1
         bar.update(shard_bytes)
@@ -376,11 +456,12 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
         _set_tie(config, False)
     (config.get("text_config") or {}).pop("quantization_config", None)
     producer = {"name": "spark-quant", "version": __version__}
-    config["quantization_config"] = writer.quantization_config(targets, sorted(ignore), scheme, producer)
+    config["quantization_config"] = writer.quantization_config(targets, sorted(ignore), scheme, producer,
+                                                               kv_cache)
     # config.json after the carried files: weights + config without the tokenizer never look
     # like a loadable folder.
     carried = carry_files(src, out, skip=set(_CARRY_SKIP))
-    for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer).items():
+    for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer, kv_cache).items():
         write_json_atomic(obj, out / fname)
     write_json_atomic(config, out / "config.json")
     from quantize.check import check_build  # the check reads only what was written
@@ -403,6 +484,8 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
         "summary": {"tensors_by_target": dict(sorted(counts.items())), "bytes_in": bytes_in,
                     "bytes_out": summary.bytes_out, "ignore": sorted(ignore), "notes": notes,
                     "carried_files": carried},
+        **({"calibration": calibration_record(calib.stats, calib.sha256, calib.min_tokens)}
+           if calib.stats is not None else {}),
     })
     ledger.finish()
     return summary
