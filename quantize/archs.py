@@ -460,7 +460,7 @@ def is_mla_attention(attention: str, modules: set[str]) -> bool:
 
 # ---- config vs checkpoint layout (pre-flight) ---------------------------------------------
 _TEXT_LAYER = re.compile(r"^(?P<pre>(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.)(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe|moe)\.experts\.(?P<e>\d+)\.(?P<part>.+)$")
+_LAYER_EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe|moe)\.experts\.(?P<e>\d+)\.(?P<part>.+)$")
 _ROUTER_WEIGHT = re.compile(r"^(?:mlp|block_sparse_moe|moe)\.(?:gate|router)\.weight$")
 MTP_REQUIRED_PARTS = MTP_EXTRA_TENSORS[:3]
 """The MTP tensors every DeepSeek / GLM release has (``enorm``, ``hnorm``, ``eh_proj``); the
@@ -548,7 +548,7 @@ def check_layout(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[tuple
         experts: dict[int, dict[str, tuple[int, ...]]] = {}
         block = None
         for part, shape in parts.items():
-            m = _EXPERT.match(part)
+            m = _LAYER_EXPERT.match(part)
             if m:
                 block = m["block"]
                 experts.setdefault(int(m["e"]), {})[m["part"]] = shape
