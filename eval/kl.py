@@ -35,16 +35,22 @@ def token_windows(tokenizer, texts: list[str], max_tokens: int = 512,
     return [w.unsqueeze(0) for w in stream.split(window) if w.numel() >= 2]
 
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Float64 log-probabilities [L-1, V] predicting ids[1:] from ids[:-1] context."""
+def _logits(model, ids: torch.Tensor, cache_factory=None) -> torch.Tensor:
+    """Float64 log-probabilities [L-1, V] predicting ids[1:] from ids[:-1] context. With a
+    ``cache_factory`` the forward pass runs through that fresh cache (attention then reads
+    K/V as the cache stores them, e.g. :func:`eval.kvcache.kv_cache_factory`)."""
     device = next(model.parameters()).device
-    logits = model(input_ids=ids.to(device), use_cache=False).logits[0, :-1]
-    return torch.log_softmax(logits.to(torch.float64), dim=-1).cpu()
+    if cache_factory is None:
+        out = model(input_ids=ids.to(device), use_cache=False)
+    else:
+        out = model(input_ids=ids.to(device), cache=cache_factory(), use_cache=True)
+    return torch.log_softmax(out.logits[0, :-1].to(torch.float64), dim=-1).cpu()
 
 
 @torch.no_grad()
 def teacher_forced_kl(ref_model, test_model, tokenizer, texts: list[str],
-                      max_tokens: int = 512, window: int = 256) -> dict:
+                      max_tokens: int = 512, window: int = 256,
+                      ref_cache=None, test_cache=None) -> dict:
     """Mean KL(ref || test) of next-token distributions, top-1 agreement and perplexities.
 
     The stream from :func:`token_windows` is fed window by window (each window starts with
@@ -58,6 +64,9 @@ def teacher_forced_kl(ref_model, test_model, tokenizer, texts: list[str],
         texts: evaluation texts, e.g. :func:`eval.texts.essay_texts`.
         max_tokens: at most this many ids of the stream are used.
         window: ids per forward pass.
+        ref_cache, test_cache: optional zero-argument factories of a transformers ``Cache``
+            to run each window through (KV-cache dtype parity: the same model twice, with a
+            bf16 and a quantized cache).
 
     Returns:
         dict with
@@ -73,7 +82,7 @@ def teacher_forced_kl(ref_model, test_model, tokenizer, texts: list[str],
     kl_sum = nll_ref = nll_test = 0.0
     agree = tokens = 0
     for ids in token_windows(tokenizer, texts, max_tokens, window):
-        lr, lt = _logits(ref_model, ids), _logits(test_model, ids)
+        lr, lt = _logits(ref_model, ids, ref_cache), _logits(test_model, ids, test_cache)
         if lr.shape != lt.shape:
             raise ValueError(f"vocabulary sizes differ: ref {lr.shape[-1]}, test {lt.shape[-1]}")
         target = ids[0, 1:].unsqueeze(-1)

@@ -5,6 +5,9 @@
   without ``quantization_config``, so it never tries its FP8 GPU path.
 - :func:`load_build_model`: an NVFP4 ``nvfp4-pack-quantized`` build, decompressed by
   transformers + compressed-tensors themselves (what a user of the build gets).
+- :func:`load_modelopt_build`: a ModelOpt NVFP4 build, dequantized by our own kernel
+  (transformers has no ModelOpt loader).
+- :func:`load_model`: whichever of the three a folder's ``quantization_config`` calls for.
 - :func:`dequantized_reference_state`: the same build dequantized by our own kernel, to check
   that transformers' decompression agrees with ours.
 
@@ -21,8 +24,8 @@ import torch
 from formats.sources import open_source
 from quantize.kernels.nvfp4 import dequantize_nvfp4
 
-__all__ = ["load_source_model", "load_build_model", "dequantized_reference_state", "source_dense_state",
-           "build_dense_state", "load_dense_model"]
+__all__ = ["load_source_model", "load_build_model", "load_modelopt_build", "load_model",
+           "dequantized_reference_state", "source_dense_state", "build_dense_state", "load_dense_model"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _NVFP4 = (".weight_packed", ".weight_scale", ".weight_global_scale")
@@ -106,7 +109,7 @@ def load_source_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     return model
 
 
-def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32,
+def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                      trust_remote_code: bool = False):
     """An NVFP4 compressed-tensors build, decompressed to ``dtype`` by transformers on CPU.
 
@@ -131,9 +134,11 @@ def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         dtype: parameter dtype of the returned model.
         trust_remote_code: let transformers import custom modeling code carried in the
             build (``auto_map``); off by default, so custom code is never executed.
+        device: where the decompressed model is moved after loading on CPU (``"cpu"``
+            default, or ``"cuda"``).
 
     Returns:
-        ``PreTrainedModel`` in eval mode on CPU.
+        ``PreTrainedModel`` in eval mode on ``device``.
     """
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -142,7 +147,7 @@ def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True),
             trust_remote_code=trust_remote_code)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def dequantized_reference_state(folder: str | Path,
@@ -277,3 +282,73 @@ def load_dense_model(state: dict[str, torch.Tensor], config: dict, dtype: torch.
     if info["missing_keys"]:
         raise RuntimeError(f"parameters missing from the state: {sorted(info['missing_keys'])[:10]}")
     return model.eval()
+
+
+def _quant_method(folder: Path) -> str | None:
+    cfg = json.loads((folder / "config.json").read_text())
+    qc = cfg.get("quantization_config") or _text_cfg(cfg).get("quantization_config") or {}
+    if not qc and (folder / "hf_quant_config.json").exists():
+        return "modelopt"
+    return qc.get("quant_method")
+
+
+def load_modelopt_build(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """A ModelOpt NVFP4 build (``quant_method: modelopt`` / ``hf_quant_config.json``) on CPU.
+
+    Each quantized Linear ``<m>`` stores ``<m>.weight`` (uint8 [N, K/2], packed e2m1),
+    ``<m>.weight_scale`` (float8_e4m3fn [N, K/16]) and ``<m>.weight_scale_2`` (float32 scalar,
+    dequant direction amax / 2688) (formats_spec.md B.2.1); it is dequantized with
+    :func:`quantize.kernels.nvfp4.dequantize_nvfp4` against global ``1 / weight_scale_2``.
+    ``input_scale``, ``k_scale`` and ``v_scale`` are not weights and are skipped. The model is
+    built from ``config.json`` minus ``quantization_config``.
+
+    Raises:
+        RuntimeError: a packed weight without its two scales, or tensors that do not fit the
+            model (missing, unexpected, shape), listed together.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    cfg_dict = json.loads((folder / "config.json").read_text())
+    cfg_dict.pop("quantization_config", None)
+    _text_cfg(cfg_dict).pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg_dict), dtype=dtype).eval()
+    raw: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        raw.update(load_file(str(shard)))
+    state, problems = {}, []
+    for name, t in raw.items():
+        if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")):
+            continue
+        if name.endswith(".weight") and t.dtype == torch.uint8:
+            m = name[: -len(".weight")]
+            if f"{m}.weight_scale" not in raw or f"{m}.weight_scale_2" not in raw:
+                problems.append(f"packed {name} without {m}.weight_scale / .weight_scale_2")
+                continue
+            g = 1.0 / raw[f"{m}.weight_scale_2"].float().reshape(1)
+            t = dequantize_nvfp4(t, raw[f"{m}.weight_scale"], g)
+        state[name] = t.to(dtype)
+    result = model.load_state_dict(state, strict=False)
+    tied = model.get_output_embeddings() is not None and (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+    problems += [f"missing (in model, not on disk): {k}" for k in missing]
+    problems += [f"unexpected (on disk, not in model): {k}" for k in result.unexpected_keys]
+    if problems:
+        raise RuntimeError(f"{len(problems)} problem(s) loading ModelOpt build {folder.name}:\n  "
+                           + "\n  ".join(problems))
+    return model
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load a source or a build for evaluation, by its ``quantization_config.quant_method``:
+    ``compressed-tensors`` -> :func:`load_build_model`, ``modelopt*`` (or an
+    ``hf_quant_config.json``) -> :func:`load_modelopt_build`, anything else (block FP8,
+    dense) -> :func:`load_source_model`. Returns the model in eval mode on ``device``."""
+    method = _quant_method(Path(folder)) or ""
+    if method == "compressed-tensors":
+        return load_build_model(folder, dtype, device).eval()
+    if method.startswith("modelopt"):
+        return load_modelopt_build(folder, dtype).to(device).eval()
+    return load_source_model(folder, dtype).to(device).eval()

@@ -34,7 +34,7 @@ __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "mo
            "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role",
            "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
            "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
-           "MTP_REQUIRED_PARTS"]
+           "MTP_REQUIRED_PARTS", "kv_record_dims"]
 
 
 @dataclass(frozen=True)
@@ -587,3 +587,31 @@ def check_layout(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[tuple
                 out.append(("error", f"{where}: router {part} has {shape[0]} rows but config.json "
                             f"declares {n_exp} routed experts", f"{prefix[layer]}{layer}.{part}"))
     return out
+
+
+def kv_record_dims(config: dict) -> dict:
+    """What one token's KV-cache record holds in one attention layer, from the text config.
+
+    MLA (DeepSeek-V2/V3, GLM-5: ``kv_lora_rank`` set): engines cache the normalized latent
+    (``kv_lora_rank`` values) and the RoPE key (``qk_rope_head_dim``), not the expanded heads
+    (vLLM ``MLACommonImpl``; FlashMLA's 656-byte record for 512 + 64). Otherwise K and V of
+    each KV head: ``num_key_value_heads`` (default ``num_attention_heads``) x ``head_dim``
+    (default ``hidden_size / num_attention_heads``).
+
+    Returns:
+        ``{"kind": "mla", "latent": int, "rope": int, "layers": int}`` or
+        ``{"kind": "mha", "kv_heads": int, "head_dim": int, "layers": int}``; ``layers`` counts
+        softmax-attention layers (``layer_types`` entries naming full or sliding attention when
+        present, else ``num_hidden_layers``).
+    """
+    cfg = text_config(config)
+    types = cfg.get("layer_types")
+    layers = (sum(1 for t in types if "attention" in t and "linear" not in t) if types
+              else int(cfg["num_hidden_layers"]))
+    if cfg.get("kv_lora_rank"):
+        return {"kind": "mla", "latent": int(cfg["kv_lora_rank"]),
+                "rope": int(cfg["qk_rope_head_dim"]), "layers": layers}
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
+    return {"kind": "mha", "kv_heads": int(cfg.get("num_key_value_heads") or heads),
+            "head_dim": int(head_dim), "layers": layers}

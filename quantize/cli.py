@@ -177,6 +177,28 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from eval.report import gate_lines
+    from eval.suite import EvalOptions, run_eval
+
+    def ints(text):
+        return tuple(int(x) for x in text.split(",")) if text else None
+
+    opts = EvalOptions(
+        suites=tuple(s for s in args.suite.split(",") if s), limit=args.limit, device=args.device,
+        endpoint=args.endpoint, endpoint_model=args.endpoint_model, thresholds=args.thresholds,
+        out=args.out, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
+        kl_tokens=args.kl_tokens, passkey_lengths=ints(args.passkey_lengths),
+        passkey_depths=ints(args.passkey_depths) or EvalOptions.passkey_depths,
+        passkey_trials=args.passkey_trials, kv_dtypes=tuple(args.kv_dtypes.split(",")),
+        kv_scales=args.kv_scales, kv_gsm8k_limit=args.kv_gsm8k_limit)
+    report = run_eval(args.build, args.baseline, opts, baseline_endpoint=args.baseline_endpoint)
+    out = Path(args.out) if args.out else Path(args.build) / "eval"
+    print(f"report: {out / 'report.json'}, {out / 'report.md'}")
+    for line in gate_lines(report):
+        print(line, file=sys.stderr)
+    print("gate: " + ("PASSED" if report["gate"]["passed"] else "FAILED"))
+    return 0 if report["gate"]["passed"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,6 +341,30 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     cb.add_argument("--quiet", action="store_true")
     cb.set_defaults(func=_cmd_calibrate)
+    e = sub.add_parser("eval", help="accuracy suites and the release gate; writes BUILD/eval/report.*")
+    e.add_argument("build", help="build folder (its tokenizer and config are read even with --endpoint)")
+    e.add_argument("--baseline", help="reference folder: the FP8 source, a dense model or another build")
+    e.add_argument("--suite", default="kl,gsm8k,passkey",
+                   help="comma list of kl, gsm8k, mc, passkey, kv-parity (default kl,gsm8k,passkey)")
+    e.add_argument("--limit", type=int, help="first N GSM8K / ARC problems (default all)")
+    e.add_argument("--device", default="auto", help="cpu, cuda or auto (in-process models)")
+    e.add_argument("--endpoint", help="OpenAI-compatible server serving the build (vLLM, SGLang, "
+                                      "transformers serve), e.g. http://127.0.0.1:8000")
+    e.add_argument("--endpoint-model", help="model name on --endpoint (default: first of /v1/models)")
+    e.add_argument("--baseline-endpoint", help="reach the baseline through this server instead")
+    e.add_argument("--thresholds", help="gate thresholds TOML (default eval/thresholds/v1.toml)")
+    e.add_argument("--out", help="report folder (default BUILD/eval)")
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--max-gen-toks", type=int, default=256, help="GSM8K generation budget")
+    e.add_argument("--kl-tokens", type=int, default=2048)
+    e.add_argument("--passkey-lengths", help="comma list of prompt lengths in tokens")
+    e.add_argument("--passkey-depths", help="comma list of depths in percent (default 0,25,50,75,100)")
+    e.add_argument("--passkey-trials", type=int, default=3)
+    e.add_argument("--kv-dtypes", default="bf16,fp8,nvfp4")
+    e.add_argument("--kv-scales", default="auto", choices=["auto", "calibrate"],
+                   help="auto: the build's k/v scales, else 1.0 as engines default")
+    e.add_argument("--kv-gsm8k-limit", type=int, default=50, help="GSM8K problems per KV dtype")
+    e.set_defaults(func=_cmd_eval)
     return p
 
 

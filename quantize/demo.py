@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["DEMO_GGUF_SHA256", "DEMO_GGUF_SHA256_PREFIX", "build_demo", "demo_gguf_path"]
+__all__ = ["DEMO_GGUF_SHA256", "DEMO_GGUF_SHA256_PREFIX", "build_demo", "demo_gguf_path", "fp8_source_from_gguf"]
 
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -115,9 +115,10 @@ def _write(out: Path, gguf: Path, n_shards: int) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     cfg = model.config
+    tied = bool(cfg.tie_word_embeddings)
     tensors = {}
     for name, w in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if name == "lm_head.weight" and tied:
             continue  # tied to model.embed_tokens.weight
         if _FP8_NAME.match(name) and w.ndim == 2:
             q, s = quantize_fp8_block(w, BLOCK)
@@ -139,11 +140,28 @@ def _write(out: Path, gguf: Path, n_shards: int) -> None:
     config.pop("quantization_config", None)  # the GGUF loader's own marker
     config.pop("_name_or_path", None)  # a local path; keeps config.json machine-independent
     config.update(quantization_config=QUANT_CONFIG, torch_dtype="bfloat16", dtype="bfloat16",
-                  tie_word_embeddings=bool(cfg.tie_word_embeddings))
+                  tie_word_embeddings=tied)
     config["architectures"] = config.get("architectures") or [type(model).__name__]
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def fp8_source_from_gguf(gguf: Path, out: Path, n_shards: int = 4) -> Path:
+    """Write a DeepSeek-style block-FP8 source folder from any GGUF causal LM.
+
+    Same layout as :func:`build_demo` (decoder projections in block FP8 with
+    ``weight_scale_inv``, everything else bf16; a separate bf16 ``lm_head.weight`` when the
+    model's embeddings are untied). Used for real models shipped as GGUF on PyPI
+    (real_inputs.md), e.g. Qwen2.5-Coder-1.5B-Instruct for the evaluation figures.
+
+    Raises:
+        FileExistsError: ``out`` exists.
+    """
+    out = Path(out)
+    out.mkdir(parents=True)
+    _write(out, Path(gguf), n_shards)
+    return out
 
 
 def build_demo(cache_dir: Path | None = None, n_shards: int = 3, force: bool = False) -> Path:

@@ -1,0 +1,216 @@
+"""KV cache held in bf16, fp8 e4m3 or NVFP4, the way serving engines store it.
+
+The cache of :func:`kv_cache_factory` is a transformers ``DynamicCache`` whose ``update`` rounds every
+new K/V entry through the storage format before keeping it, and returns the stored
+(dequantized) history, so attention reads exactly what an engine would read back from its
+KV pool. transformers 5.24 calls ``cache.update(k, v, layer)`` with post-RoPE keys for
+MHA/GQA models, and with the MLA latent record itself for DeepSeek-V3 / GLM-5 style models
+(``k`` = normalized ``kv_lora_rank`` latent, ``v`` = RoPE key), so MLA is quantized at the
+latent, as engines store it, never at the expanded heads.
+
+Formats (per layer, per token; ``s`` = the layer's per-tensor k or v scale, a dequant
+multiplier; from the build's ``k_scale`` / ``v_scale`` when it has them, else 1.0 as vLLM
+and SGLang default, or calibrated with :func:`calibrate_scales`):
+
+- ``bf16``: round to bfloat16.
+- ``fp8``: ``fp8_e4m3(clamp(x / s, +-448)) * s`` (vLLM ``quant_utils.cuh`` scale convention,
+  saturating). MLA: latent and RoPE key share the k scale (vLLM's 576-byte fp8 record).
+- ``nvfp4``: e2m1 codes, one e4m3 block scale per 16 values of a head vector, fp32 global
+  ``1 / s`` (vLLM NVFP4 KV: ``global_scale = 1 / k_scale``), through
+  :func:`quantize.kernels.nvfp4.quantize_nvfp4` / ``dequantize_nvfp4``. MLA: the latent in
+  NVFP4 and the RoPE key in bf16 (no published NVFP4 MLA layout; FlashMLA's fp8 record keeps
+  RoPE in bf16 the same way).
+"""
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from quantize.archs import kv_record_dims
+from quantize.kernels.dtypes import E2M1_MAX, E4M3_MAX
+from quantize.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+__all__ = ["KV_DTYPES", "fp8_roundtrip", "nvfp4_roundtrip", "bf16_roundtrip", "kv_bytes_per_token",
+           "scales_from_build", "calibrate_scales", "kv_cache_factory"]
+
+KV_DTYPES = ("bf16", "fp8", "nvfp4")
+
+
+def bf16_roundtrip(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``x`` rounded to bfloat16 (``scale`` unused), in ``x``'s dtype."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def fp8_roundtrip(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-tensor fp8 e4m3 store and load: ``fp8(clamp(x / scale, -448, 448)) * scale``.
+
+    Args:
+        x: any shape, float. scale: positive dequant multiplier (vLLM ``k_scale``).
+
+    Returns:
+        tensor like ``x`` (same dtype) holding the values an engine reads back.
+    """
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def nvfp4_roundtrip(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """NVFP4 store and load along the last dim (a head vector or the MLA latent).
+
+    Args:
+        x: [..., D] with D a multiple of 16. scale: dequant multiplier ``s``; the
+            quantize-direction global scale is ``1 / s``.
+
+    Returns:
+        tensor like ``x`` (same dtype): ``e2m1(code) * e4m3(block scale) * s`` per value.
+
+    Raises:
+        ValueError: D is not a multiple of 16 (from ``quantize_nvfp4``).
+    """
+    flat = x.float().reshape(-1, x.shape[-1])
+    g = torch.tensor([1.0 / scale], dtype=torch.float32, device=x.device)
+    packed, block = quantize_nvfp4(flat, g)
+    return dequantize_nvfp4(packed, block, g).reshape(x.shape).to(x.dtype)
+
+
+_ROUNDTRIP = {"bf16": bf16_roundtrip, "fp8": fp8_roundtrip, "nvfp4": nvfp4_roundtrip}
+
+
+def kv_bytes_per_token(config: dict, dtype: str) -> dict:
+    """Bytes one token occupies in the KV pool for ``dtype`` (scales per layer not counted).
+
+    MHA/GQA per layer: bf16 ``2 H D 2``, fp8 ``2 H D``, nvfp4 ``2 H (D/2 + D/16)``.
+    MLA per layer (latent L, RoPE R): bf16 ``2 (L + R)``, fp8 ``L + R``,
+    nvfp4 ``L/2 + L/16 + 2 R`` (eval_anchors.md 4.5, 6.2).
+
+    Returns:
+        ``{"per_layer": int, "layers": int, "total": int, "record": <kv_record_dims>}``.
+    """
+    rec = kv_record_dims(config)
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {dtype!r}; choose from {', '.join(KV_DTYPES)}")
+
+    def width(n: int, d: str) -> int:
+        return {"bf16": 2 * n, "fp8": n, "nvfp4": n // 2 + n // 16}[d]
+
+    if rec["kind"] == "mla":
+        per = width(rec["latent"], dtype) + width(rec["rope"], "bf16" if dtype == "nvfp4" else dtype)
+    else:
+        per = 2 * rec["kv_heads"] * width(rec["head_dim"], dtype)
+    return {"per_layer": per, "layers": rec["layers"], "total": per * rec["layers"], "record": rec}
+
+
+def scales_from_build(folder: str | Path) -> dict[int, tuple[float, float]]:
+    """Per-layer ``(k_scale, v_scale)`` stored in a build (compressed-tensors
+    ``kv_cache_scheme`` / ModelOpt: ``model.layers.{i}.self_attn.{k,v}_scale``); {} if none."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    names = (json.loads(index.read_text())["weight_map"] if index.exists()
+             else {n: f.name for f in folder.glob("*.safetensors")
+                   for n in safe_open(str(f), "pt").keys()})
+    found: dict[int, dict[str, float]] = {}
+    for name, shard in names.items():
+        parts = name.split(".")
+        if parts[-1] in ("k_scale", "v_scale") and len(parts) > 3 and parts[2].isdigit():
+            with safe_open(str(folder / shard), "pt") as f:
+                found.setdefault(int(parts[2]), {})[parts[-1]] = float(f.get_tensor(name).float().reshape(-1)[0])
+    return {i: (d.get("k_scale", 1.0), d.get("v_scale", 1.0)) for i, d in found.items()}
+
+
+@functools.cache
+def _cache_class():
+    """The cache class, built on first use so that importing this module does not import
+    transformers."""
+    from transformers import DynamicCache
+
+    class _QuantizedKVCache(DynamicCache):
+        """DynamicCache storing each new K/V entry through ``k_fn`` / ``v_fn(x, layer)``."""
+
+        def __init__(self, config, k_fn, v_fn):
+            super().__init__(config=config)
+            self._k_fn, self._v_fn = k_fn, v_fn
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(self._k_fn(key_states, layer_idx),
+                                  self._v_fn(value_states, layer_idx), layer_idx, *args, **kwargs)
+
+    return _QuantizedKVCache
+
+
+def kv_cache_factory(model_config, dtype: str, scales: dict[int, tuple[float, float]] | None = None):
+    """Zero-argument callable returning a fresh cache that stores K/V in ``dtype``.
+
+    Args:
+        model_config: the transformers ``PretrainedConfig`` of the model.
+        dtype: one of :data:`KV_DTYPES`.
+        scales: per-layer ``(k_scale, v_scale)`` dequant multipliers; layers not listed use
+            1.0 (the engines' default when a checkpoint has none).
+
+    Returns:
+        ``() -> DynamicCache`` subclass instance, for ``model(..., cache=c, use_cache=True)``
+        or ``model.generate(..., cache=c)``.
+
+    Raises:
+        ValueError: unknown dtype.
+    """
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {dtype!r}; choose from {', '.join(KV_DTYPES)}")
+    rec = kv_record_dims(model_config.to_dict())
+    scales = dict(scales or {})
+    store = _ROUNDTRIP[dtype]
+    # MLA: "k" is the latent, "v" the RoPE key; both use the layer's k scale (one record).
+    rope_store = bf16_roundtrip if (rec["kind"] == "mla" and dtype == "nvfp4") else store
+    v_index = 0 if rec["kind"] == "mla" else 1
+
+    def k_fn(x, layer):
+        return store(x, scales.get(layer, (1.0, 1.0))[0])
+
+    def v_fn(x, layer):
+        return (rope_store if rec["kind"] == "mla" else store)(x, scales.get(layer, (1.0, 1.0))[v_index])
+
+    cls = _cache_class()
+    return lambda: cls(model_config, k_fn, v_fn)
+
+
+@torch.no_grad()
+def calibrate_scales(model, batches: list[torch.Tensor], dtype: str) -> dict[int, tuple[float, float]]:
+    """Per-layer scales from the amax of K and V over ``batches`` of input ids.
+
+    fp8: ``amax / 448`` (ModelOpt ``amax_to_fp8_scaling_factor``); nvfp4: ``amax / (6 * 448)``
+    (ModelOpt NVFP4 ``amax / 2688``); bf16: 1.0. MLA layers take the amax of the whole record.
+
+    Args:
+        model: causal LM. batches: int64 [1, L] tensors (e.g. :func:`eval.kl.token_windows`).
+
+    Returns:
+        ``{layer: (k_scale, v_scale)}``.
+    """
+    amax: dict[int, list[float]] = {}
+
+    def record(i):
+        def fn(x, layer):
+            a = amax.setdefault(layer, [0.0, 0.0])
+            a[i] = max(a[i], float(x.detach().abs().amax()))
+            return x
+        return fn
+
+    cls = _cache_class()
+    device = next(model.parameters()).device
+    for ids in batches:
+        model(input_ids=ids.to(device), cache=cls(model.config, record(0), record(1)), use_cache=True)
+    div = {"fp8": E4M3_MAX, "nvfp4": E4M3_MAX * E2M1_MAX, "bf16": None}[dtype]
+    mla = kv_record_dims(model.config.to_dict())["kind"] == "mla"
+    out = {}
+    for layer, (ka, va) in amax.items():
+        if div is None:
+            out[layer] = (1.0, 1.0)
+        elif mla:
+            s = max(ka, va if dtype == "fp8" else 0.0) / div or 1.0
+            out[layer] = (s, s)
+        else:
+            out[layer] = (ka / div or 1.0, va / div or 1.0)
+    return out

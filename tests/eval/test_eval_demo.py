@@ -1,0 +1,108 @@
+"""``quantize eval`` end to end on the demo build (CI): kl + 5-problem GSM8K + a small passkey
+grid + ARC, the report's structure, and a build with one corrupted fused-group global scale
+(FC-06) failing the gate."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantize.cli import main
+
+FAST = ["--limit", "5", "--max-gen-toks", "32", "--kl-tokens", "512", "--passkey-lengths", "160,320",
+        "--passkey-depths", "0,100", "--passkey-trials", "1", "--batch-size", "5", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def demo_report(demo_build, demo_src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    rc = main(["eval", str(demo_build), "--baseline", str(demo_src), "--suite", "kl,gsm8k,passkey,mc",
+               "--out", str(out), *FAST])
+    return rc, out, json.loads((out / "report.json").read_text())
+
+
+def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, tmp_path):
+    rc, out, r = demo_report
+    assert rc == 0 and r["gate"]["passed"]
+    assert r["schema"] == "spark-quant-eval/1" and r["complete"] is True
+    assert r["build"]["manifest_sha256"] == __import__("hashlib").sha256(
+        (demo_build / "spark_quant_manifest.json").read_bytes()).hexdigest()
+    assert r["baseline"]["quant_method"] == "fp8" and r["build"]["quant_method"] == "compressed-tensors"
+    assert r["backend"]["build"] == "in-process" and r["backend"]["device"] == "cpu"
+    assert {"torch", "transformers", "lm_eval", "compressed-tensors"} <= set(r["versions"])
+    assert r["versions"]["lm_eval"] == "0.4.13"
+    assert r["thresholds"]["version"] == 1 and len(r["thresholds"]["sha256"]) == 64
+    assert set(r["data"]) >= {"gsm8k", "arc_challenge", "essays_sha256", "passkey_prompts_sha256"}
+    assert r["seeds"] == {"lm_eval": 1234, "passkey": 1234}
+    for f in ("report.json", "report.md", "gsm8k_samples.jsonl", "passkey_records.jsonl",
+              "passkey_build.png", "passkey_baseline.png", "tasks/spark_gsm8k.yaml"):
+        assert (out / f).is_file(), f
+    names = {c["name"] for c in r["gate"]["checks"]}
+    assert {"kl.mean_kl", "kl.top1_agree", "gsm8k.flexible-extract.drop", "gsm8k.strict-match.drop",
+            "mc.acc.drop", "passkey.mean.drop", "degenerate.rate"} <= names
+    assert "**Gate: PASSED**" in (out / "report.md").read_text()
+    # quantize upload reads this report: its verdict and the card's model-index numbers.
+    from quantize.card import read_gate, render_card
+
+    assert read_gate(r) == (True, "passed")
+    assert r["results"]["kl"]["mean_kl"] == r["suites"]["kl"]["mean_kl"]
+    assert r["results"]["gsm8k"]["exact_match,flexible-extract"] == r["suites"]["gsm8k"]["build"]["flexible-extract"]["acc"]
+    staged = tmp_path / "card_check"
+    shutil.copytree(demo_build, staged, ignore=shutil.ignore_patterns("eval"))
+    (staged / "eval").mkdir()
+    shutil.copy(out / "report.json", staged / "eval" / "report.json")
+    card = str(render_card(staged, "me/demo-nvfp4"))
+    assert "Eval gate: **passed**." in card and "exact_match,strict-match" in card
+
+
+def test_demo_kl_gsm8k_passkey_values(demo_report):
+    _, out, r = demo_report
+    s = r["suites"]
+    kl = s["kl"]
+    assert kl["tokens"] == 511  # one window of 512 ids scores 511 next tokens
+    # measured 0.2178 nats / 69.9 % top-1 / perplexity 24.03 -> 31.24 (deterministic on CPU)
+    assert kl["mean_kl"] == pytest.approx(0.2178, abs=0.01)
+    assert kl["top1_agree"] == pytest.approx(0.699, abs=0.02)
+    assert kl["ppl_ref"] == pytest.approx(24.03, rel=0.01) and kl["ppl_test"] == pytest.approx(31.24, rel=0.02)
+    g = s["gsm8k"]
+    assert g["build"]["n"] == g["baseline"]["n"] == 5 and g["settings"]["chat_template"]
+    for f in ("strict-match", "flexible-extract"):
+        assert 0.0 <= g["build"][f]["acc"] <= 1.0
+        assert g["paired"][f]["n"] == 5
+    rows = [json.loads(x) for x in (out / "gsm8k_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 and {x["model"] for x in rows} == {"build", "baseline"}
+    assert all(x["response"] and "strict-match" in x and "flexible-extract" in x for x in rows)
+    assert [x["target"] for x in rows[:5]] == ["18", "3", "70000", "540", "20"]
+    pk = s["passkey"]
+    assert pk["build"]["lengths"] == [160, 320] and pk["build"]["depths"] == [0, 100]
+    assert pk["baseline"]["mean"] == 1.0  # SmolLM2-135M finds the key at these lengths
+    mc = s["mc"]
+    assert mc["build"]["n"] == 5 and mc["paired"]["n"] == 5
+    assert s["degenerate"]["build"]["n"] == 5 + 4
+
+
+def test_corrupted_fused_group_scale_fails_the_gate(demo_build, demo_src, tmp_path, capsys):
+    """FC-06: one member of a fused gate/up group written with a global scale 64x off."""
+    broken = tmp_path / "broken"
+    shutil.copytree(demo_build, broken, ignore=shutil.ignore_patterns("eval"))
+    index = json.loads((broken / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.mlp.up_proj.weight_global_scale"
+    shard = broken / index[name]
+    tensors = load_file(str(shard))
+    assert torch.equal(tensors[name], tensors["model.layers.0.mlp.gate_proj.weight_global_scale"])
+    tensors[name] = tensors[name] / 64
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    rc = main(["eval", str(broken), "--baseline", str(demo_src), "--suite", "kl", *FAST])
+    assert rc == 1
+    r = json.loads((broken / "eval" / "report.json").read_text())
+    assert not r["gate"]["passed"]
+    failed = {c["name"]: c for c in r["gate"]["checks"] if not c["passed"]}
+    assert "kl.mean_kl" in failed and failed["kl.mean_kl"]["by"] > 0
+    assert r["suites"]["kl"]["mean_kl"] > 5  # measured 8.99 nats, top-1 11 %
+    err = capsys.readouterr().err
+    assert "FAIL kl.mean_kl" in err and "off by" in err
+    from quantize.card import read_gate
+
+    assert read_gate(r)[1].startswith("eval gate failed: kl.mean_kl ")
