@@ -29,7 +29,7 @@ def gate_lines(report: dict) -> list[str]:
 
 def gate_reason(checks: list[dict], complete: bool) -> str:
     """The gate verdict in one line, as ``quantize upload`` quotes it (``quantize.card.read_gate``)."""
-    failed = [c for c in checks if not c["passed"] and c["severity"] == "error"]
+    failed = [c for c in checks if not c["passed"] and c["severity"] == "fail"]
     if failed:
         return "; ".join(f"{c['name']} {c['value']:.4g} (limit {c['op']} {c['limit']:.4g})" for c in failed)
     return "all checks within thresholds" if complete else "evaluation did not finish"
