@@ -11,7 +11,8 @@ Rules, each a finding with the tensor or module it is about (formats_spec.md B.3
 - ``ignore``: every unquantized Linear weight is ignored / excluded and no quantized module
   is (FC-15; vLLM's substring and wildcard matching included); each quantized module is
   claimed by the config group of its own format.
-- ``fused-group``: members share one format and, for NVFP4, one global scale (FC-06, FC-07);
+- ``fused-group``: members share one format and, for NVFP4, one global scale (FC-06, FC-07)
+  and, in a ModelOpt W4A4 build, one ``input_scale``;
   a routed-expert layer has one scheme (vLLM "All MoE projections need to have same
   quantization scheme").
 - ``align``: per-TP-shard shapes meet the engine's alignment rows (``formats.engines``).
@@ -269,11 +270,22 @@ def _check_groups(mods: dict[str, _Module], reader: ShardReader, fmt: str, out: 
             continue
         if set(kinds.values()) == {"nvfp4"}:
             key = "weight_global_scale" if fmt == "compressed-tensors" else "weight_scale_2"
-            vals = {m: _scalar(reader, mods[m].tensors[key]) for m in members}
-            if len(set(vals.values())) > 1:
-                out.append(Finding("error", "fused-group", f"{key} differs across members " + ", ".join(
-                    f"{m.rsplit('.', 1)[-1]}={v:.9g}" for m, v in vals.items())
-                    + " (engines take one; FC-06/FC-07)", gid))
+            keys = [key] if fmt == "compressed-tensors" else [key, "input_scale"]
+            # compressed-tensors input_global_scale: quantize.calib_check (calibration rule)
+            for key in keys:
+                have = [m for m in members if key in mods[m].tensors]
+                if key == "input_scale" and not have:
+                    continue  # weight-only ModelOpt build
+                if len(have) != len(members):
+                    out.append(Finding("error", "fused-group", f"{key} on " + ", ".join(
+                        m.rsplit('.', 1)[-1] for m in have) + " but not on " + ", ".join(
+                        m.rsplit('.', 1)[-1] for m in members if m not in have), gid))
+                    continue
+                vals = {m: _scalar(reader, mods[m].tensors[key]) for m in members}
+                if len(set(vals.values())) > 1:
+                    out.append(Finding("error", "fused-group", f"{key} differs across members " + ", ".join(
+                        f"{m.rsplit('.', 1)[-1]}={v:.9g}" for m, v in vals.items())
+                        + " (engines take one; FC-06/FC-07)", gid))
     layers: dict[str, set] = {}
     for mod in names:
         m = re.match(r"^(.*\.experts)\.\d+\.[^.]+$", mod)

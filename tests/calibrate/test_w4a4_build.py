@@ -1,10 +1,12 @@
 """W4A4 and FP8-KV builds from calibration statistics (compressed-tensors layout)."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from calibrate import calibrate_sequences
 from calibrate.data import CalibSet
@@ -164,6 +166,18 @@ def test_modelopt_w4a4_input_scale_and_kv_scales(llama, tmp_path):
     hf = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert hf["quant_algo"] == "NVFP4" and hf["kv_cache_quant_algo"] == "FP8"
     assert [f for f in check_build(out) if f.level == "error"] == []
+    # one member's input_scale off (as a hand-patched fused group would be): refused, by name
+    shard_of = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    bad = f"{p}.mlp.up_proj.input_scale"
+    with safe_open(str(out / shard_of[bad]), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[bad] = tensors[bad] * 2
+    broken = tmp_path / "mo-broken"
+    shutil.copytree(out, broken)
+    save_file(tensors, str(broken / shard_of[bad]))
+    errs = [f for f in check_build(broken) if f.level == "error"]
+    assert [(f.rule, f.tensor) for f in errs] == [("fused-group", f"{p}.mlp.gate_up_proj")]
+    assert errs[0].message.startswith("input_scale differs across members gate_proj=")
     convert(src, tmp_path / "mo16", fmt="modelopt", progress=False, device="cpu")
     w, _ = read_all(tmp_path / "mo16")
     assert all(torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
