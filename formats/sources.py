@@ -166,6 +166,33 @@ class Source:
             return dequantize_fp8_block(raw, scale, self.layout.block)
         return dequantize_fp8_broadcast(raw, scale, self.layout.group)
 
+    def read_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+        """Read an FP8 logical tensor without dequantizing it.
+
+        Returns:
+            ``(weight float8_e4m3fn [N, K], scale [ceil(N/bh), ceil(K/bw)], (bh, bw))`` with
+            the scale a multiplier grid as stored (float32 or bfloat16): block FP8 as is;
+            compressed-tensors group g as blocks (1, g), channel as (1, K), tensor as (N, K).
+            ``dequantize_fp8_block(*result)`` equals :meth:`read`. None for tensors that are
+            not FP8.
+
+        Raises:
+            SourceError: naming the tensor and shard when the bytes cannot be read.
+        """
+        t = self.tensors[name]
+        if t.scale is None:
+            return None
+        raw = self._reader.get(t.shard, name)
+        scale = self._reader.get(t.scale.shard, t.scale.name)
+        n, k = raw.shape
+        if self.layout.block:
+            return raw, scale, tuple(self.layout.block)
+        if self.layout.group:
+            return raw, scale, (1, self.layout.group)
+        if scale.numel() == 1:
+            return raw, scale.reshape(1, 1), (n, k)
+        return raw, scale.reshape(n, 1), (1, k)
+
     def read_raw(self, name: str) -> torch.Tensor:
         """Read any stored tensor (weights or scale sidecars) exactly as stored."""
         return self._reader.get(self.infos[name].shard, name)

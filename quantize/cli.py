@@ -28,13 +28,18 @@ def _resolve_src(src: str) -> tuple[Path, dict]:
 
 
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
+    from quantize.parallel import current_world, init_from_env
     from quantize.pipeline import convert
 
+    init_from_env()  # under torchrun: one rank of several
+    rank = current_world().rank
     src, info = _resolve_src(args.src)
     out = Path(args.out) if args.out else Path(f"{src.name}-NVFP4")
     summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
                       device=args.device, resume=args.resume, progress=not args.quiet,
-                      source_info=info)
+                      source_info=info, kernel=args.kernel, workers=args.workers)
+    if rank:
+        return 0
     print(summary.render())
     if args.src == "demo" and not args.no_showcase:
         from eval.showcase import showcase
@@ -56,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output layout (nvfp4-pack-quantized for vLLM / SGLang / transformers)")
     n.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
     n.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    n.add_argument("--kernel", default="auto", choices=["auto", "reference", "inductor", "triton"],
+                   help="quantization kernel: inductor (CPU, compiled) or triton (CUDA); "
+                        "reference is plain PyTorch; all write the same bytes")
+    n.add_argument("--workers", type=int, default=1,
+                   help="processes on this machine, shards divided among them (under torchrun "
+                        "the ranks divide the shards instead)")
     n.add_argument("--resume", action="store_true",
                    help="continue an interrupted build in --out; finished shards are kept")
     n.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -6,7 +6,9 @@
   no timestamps, so an interrupted-then-resumed build is byte-identical to a clean one.
 - ``.spark-quant-progress.json`` is the ledger of finished output shards while a build runs:
   the job fingerprint (options + source headers + decisions) and each shard's sha256. It is
-  removed when the build completes.
+  removed when the build completes. When several ranks convert (quantize/parallel.py), each
+  keeps ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the number
+  of ranks then.
 """
 
 import hashlib
@@ -17,10 +19,16 @@ from formats.checkpoint import write_json_atomic
 from formats.shards import sha256_file
 from quantize.errors import OutputError
 
-__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "write_manifest"]
+__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "remove_ledgers",
+           "write_manifest"]
 
 MANIFEST_NAME = "spark_quant_manifest.json"
 PROGRESS_NAME = ".spark-quant-progress.json"
+_PROGRESS_GLOB = ".spark-quant-progress*.json"
+
+
+def _is_ledger(rel: str) -> bool:
+    return Path(rel).match(_PROGRESS_GLOB)
 
 
 def fingerprint(obj) -> str:
@@ -31,17 +39,19 @@ def fingerprint(obj) -> str:
 class Ledger:
     """Which output shards are finished, for ``--resume``."""
 
-    def __init__(self, out: Path, job: str, resume: bool):
-        self.path = Path(out) / PROGRESS_NAME
+    def __init__(self, out: Path, job: str, resume: bool, rank: int | None = None):
+        name = PROGRESS_NAME if rank is None else f".spark-quant-progress.rank{rank}.json"
+        self.path = Path(out) / name
         self.out = Path(out)
         self.done: dict[str, str] = {}
-        if resume and self.path.exists():
-            data = json.loads(self.path.read_text())
-            if data.get("job") != job:
-                raise OutputError(
-                    f"{out} holds a different build (options or source changed); use a new --out "
-                    "or delete the folder", key=PROGRESS_NAME)
-            self.done = data.get("shards", {})
+        if resume:
+            for p in sorted(self.out.glob(_PROGRESS_GLOB)):
+                data = json.loads(p.read_text())
+                if data.get("job") != job:
+                    raise OutputError(
+                        f"{out} holds a different build (options or source changed); use a new "
+                        "--out or delete the folder", key=p.name)
+                self.done.update(data.get("shards", {}))
         self.job = job
         self._save()
 
@@ -64,6 +74,12 @@ class Ledger:
         self.path.unlink(missing_ok=True)
 
 
+def remove_ledgers(out: Path) -> None:
+    """Delete every rank's ledger (the build is complete)."""
+    for p in Path(out).glob(_PROGRESS_GLOB):
+        p.unlink(missing_ok=True)
+
+
 def write_manifest(out: Path, info: dict) -> dict:
     """Hash every file in ``out`` (except the manifest and ledger) into ``info["files"]`` and
     write the manifest atomically. Returns the manifest dict."""
@@ -71,7 +87,7 @@ def write_manifest(out: Path, info: dict) -> dict:
     files = {}
     for p in sorted(out.rglob("*")):
         rel = str(p.relative_to(out))
-        if p.is_file() and rel not in (MANIFEST_NAME, PROGRESS_NAME) and not rel.endswith(".tmp"):
+        if p.is_file() and rel != MANIFEST_NAME and not _is_ledger(rel) and not rel.endswith(".tmp"):
             files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
     manifest = dict(info, files=files)
     write_json_atomic(manifest, out / MANIFEST_NAME)

@@ -2,11 +2,14 @@
 
 Steps: open and validate the source -> decide every tensor -> per source shard, read lazily,
 quantize, write one output shard atomically -> index, config, carried files -> manifest.
-Peak memory is one output shard plus the tensors of one fused group, whatever the model size.
+Reading, quantizing and writing overlap (quantize/overlap.py) and shards can be divided
+among processes (quantize/parallel.py). Peak memory is two output shards plus a few prepared
+tensors and one fused group, whatever the model size.
 """
 
 import ctypes
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,8 +24,12 @@ from formats.shards import write_shard_atomic
 from formats.sources import Source, open_source
 from quantize import __version__
 from quantize.errors import OutputError, SourceError
-from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, write_manifest
+from quantize.kernels.fused import Prepared, choose_backend, prepare_float, prepare_fp8
+from quantize.kernels.nvfp4 import global_scale_from_amax
+from quantize.manifest import (MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, remove_ledgers,
+                               write_manifest)
+from quantize.overlap import Consumer, Producer
+from quantize.parallel import World, assign_shards, current_world, spawn_local
 from quantize.plan import Decision, module_of, plan_tensors
 from quantize.recipe import Target, load_recipe
 
@@ -86,12 +93,16 @@ def _release_freed_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def _resolve_device(device: str) -> torch.device:
+def _resolve_device(device: str, world: World) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA device")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and world.size > 1:
+        local = int(os.environ.get("LOCAL_RANK", world.rank))
+        dev = torch.device("cuda", local % torch.cuda.device_count())
+    return dev
 
 
 def _tied(config: dict) -> bool:
@@ -105,41 +116,129 @@ def _prepare_out(out: Path, resume: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-class _Quantizer:
-    """Quantizes one logical tensor, sharing the global scale across its fused group."""
+@dataclass
+class _Job:
+    """Everything decided before any tensor data is read; the same on every rank."""
 
-    def __init__(self, source: Source, decisions: dict[str, Decision], device: torch.device):
-        self.source, self.decisions, self.device = source, decisions, device
-        self._amax: dict[str, torch.Tensor] = {}
+    source: Source
+    decisions: dict[str, Decision]
+    skip: set[str]
+    out_shards: list[str]  # output shards, in source order (shards with something to write)
+    shard_bytes: dict[str, int]
 
-    def _load(self, name: str) -> torch.Tensor:
-        w = self.source.read(name).to(torch.float32)
-        if not torch.isfinite(w).all():
-            t = self.source.tensors[name]
-            bad = int((~torch.isfinite(w)).sum())
-            raise SourceError(f"tensor {name} in shard {t.shard} has {bad} NaN/Inf values "
-                              "after dequantization; refusing to write a silent NaN",
-                              tensor=name, shard=t.shard)
-        self._amax[name] = w.abs().amax()
-        return w
+
+def _nan_error(source: Source, name: str) -> SourceError:
+    t = source.tensors[name]
+    bad = int((~torch.isfinite(source.read(name).to(torch.float32))).sum())
+    return SourceError(f"tensor {name} in shard {t.shard} has {bad} NaN/Inf values after "
+                       "dequantization; refusing to write a silent NaN", tensor=name, shard=t.shard)
+
+
+class _Reader:
+    """Reads the tensors of the shards in hand, in order, and prepares the NVFP4 ones (bytes to
+    the device, amax, the fused group's global scale). Runs in the background stage."""
+
+    def __init__(self, job: _Job, device: torch.device, kernel: str):
+        self.job, self.device, self.kernel = job, device, kernel
+        self._amax: dict[str, torch.Tensor] = {}  # members of fused groups held in other shards
+
+    def prepare(self, name: str) -> Prepared:
+        t = self.job.source.tensors[name]
+        backend = choose_backend(self.kernel, self.device, t.numel)
+        fp8 = self.job.source.read_fp8(name)
+        if fp8 is not None:
+            prep = prepare_fp8(*fp8, backend=backend, device=self.device)
+        else:
+            prep = prepare_float(self.job.source.read(name), backend=backend, device=self.device)
+        prep.amax = prep.amax.cpu()
+        if not torch.isfinite(prep.amax):
+            raise _nan_error(self.job.source, name)
+        return prep
 
     def amax(self, name: str) -> torch.Tensor:
         if name not in self._amax:
-            self._load(name)
+            self._amax[name] = self.prepare(name).amax
         return self._amax[name]
 
-    def __call__(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        d = self.decisions[name]
-        w = self._load(name)
-        names = [m + ".weight" for m in d.members] or [name]
-        g = global_scale_from_amax(torch.stack([self.amax(n) for n in names]).amax())
-        packed, scale = quantize_nvfp4(w.to(self.device), g)
-        return packed.cpu(), scale.cpu(), g
+    def items(self, shards: list[str]):
+        """Yield ``(shard, name, value)`` for every output tensor of ``shards`` and
+        ``(shard, None, None)`` after each shard; for NVFP4 targets value is
+        ``(Prepared, global_scale)``, else the tensor to write."""
+        job = self.job
+        for shard in shards:
+            done: set[str] = set()
+            members = [t for t in job.source.tensors_in(shard) if t.name not in job.skip]
+            for t in members:
+                if t.name in done:
+                    continue
+                d = job.decisions[t.name]
+                if d.target is Target.NVFP4:
+                    group = [m + ".weight" for m in d.members] or [t.name]
+                    here = [n for n in group if job.source.tensors[n].shard == shard]
+                    preps = {n: self.prepare(n) for n in here}
+                    amax = torch.stack([preps[n].amax if n in preps else self.amax(n)
+                                        for n in group]).amax()
+                    g = global_scale_from_amax(amax)
+                    for n in here:
+                        done.add(n)
+                        yield shard, n, (preps.pop(n), g.clone())  # one tensor each on disk
+                elif d.target is Target.BF16:
+                    yield shard, t.name, job.source.read(t.name).to(torch.bfloat16)
+                else:
+                    yield shard, t.name, job.source.read(t.name)
+            yield shard, None, None
 
+
+def _convert_shards(job: _Job, shards: list[str], writer, out: Path, ledger: Ledger,
+                    device: torch.device, kernel: str, bar) -> tuple[int, int, int]:
+    """Convert ``shards`` with reading, quantizing and writing overlapped (quantize/overlap.py):
+    at most 2 prepared tensors wait for the quantizer and 1 finished shard for the writer.
+
+    Returns:
+        (shards written, shards skipped because the ledger has them, elements quantized).
+    """
+    todo = []
+    for shard in shards:
+        if ledger.is_done(shard):
+            bar.update(job.shard_bytes[shard])
+        else:
+            todo.append(shard)
+
+    def write(item) -> None:
+        shard, tensors = item
+        write_shard_atomic(tensors, out / shard)
+        tensors.clear()
+        _release_freed_memory()
+        ledger.mark(shard)
+        bar.update(job.shard_bytes[shard])
+
+    reader = Producer(lambda: _Reader(job, device, kernel).items(todo), depth=2, name="read")
+    saver = Consumer(write, depth=1, name="write")
+    elements = 0
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        for shard, name, value in reader:
+            if name is None:
+                bar.set_postfix_str(shard)
+                saver.put((shard, tensors))
+                tensors = {}
+            elif job.decisions[name].target is Target.NVFP4:
+                prep, g = value
+                packed, scale = prep.quantize(g)
+                tensors.update(writer.emit_nvfp4(module_of(name), packed, scale, g))
+                elements += job.source.tensors[name].numel
+            else:
+                tensors[name] = value
+        saver.finish()
+    finally:
+        reader.close()
+        saver.close()
+    return len(todo), len(shards) - len(todo), elements
 
 def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
-            resume: bool = False, progress: bool = True, source_info: dict | None = None) -> Summary:
+            resume: bool = False, progress: bool = True, source_info: dict | None = None,
+            kernel: str = "auto", workers: int = 1) -> Summary:
     """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
 
     Args:
@@ -149,23 +248,34 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         scheme: ``w4a16`` (weight-only NVFP4).
         fmt: output layout, see ``formats.OutputFormat``.
         recipe: preset name or TOML path (``quantize.recipe``).
-        device: ``cpu``, ``cuda`` or ``auto``.
-        resume: skip output shards the ledger records as finished (sha256 checked); the
+        device: ``cpu``, ``cuda`` or ``auto``; with several ranks on CUDA, rank r uses GPU
+            ``LOCAL_RANK`` (else r) modulo the GPU count.
+        resume: skip output shards a ledger records as finished (sha256 checked); the
             final folder is byte-identical to an uninterrupted run.
         source_info: extra provenance (repo id, revision) recorded in the manifest.
+        kernel: ``auto``, ``reference``, ``inductor`` (CPU) or ``triton`` (CUDA); see
+            ``quantize.kernels.fused``. Every kernel writes the same bytes.
+        workers: processes on this machine (``quantize.parallel``); under torchrun (an
+            initialized torch.distributed group) the ranks divide the shards instead.
 
     Returns:
-        Summary of the run.
+        Summary of the run (on every rank: the whole build's totals).
 
     Raises:
         SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named.
     """
+    if workers > 1 and not current_world().size > 1:
+        return spawn_local(workers, convert, dict(
+            src=src, out=out, scheme=scheme, fmt=fmt, recipe=recipe, device=device,
+            resume=resume, progress=progress, source_info=source_info, kernel=kernel))
     t0 = time.perf_counter()
+    world = current_world()
     src, out = Path(src), Path(out)
     source = open_source(src)
     rec = load_recipe(recipe)
     writer = get_writer(fmt)
-    dev = _resolve_device(device)
+    dev = _resolve_device(device, world)
+    choose_backend(kernel, dev)  # refuse a kernel that cannot run here before any work
     decisions = plan_tensors(source, rec)
     notes = []
     skip = set()
@@ -181,50 +291,67 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             notes.append(f"{d.name} kept as {d.target.value}: {d.reason}")
     headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
     options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256}
-    job = fingerprint({"tool": __version__, "options": options, "headers": headers,
-                       "decisions": {n: d.target.value for n, d in decisions.items()}})
-    _prepare_out(out, resume)
-    _bound_allocator()
-    ledger = Ledger(out, job, resume)
-    quant = _Quantizer(source, decisions, dev)
-    written, skipped, out_shards = 0, 0, []
-    bytes_in = sum(i.nbytes for i in source.infos.values())
+    job_id = fingerprint({"tool": __version__, "options": options, "headers": headers,
+                          "decisions": {n: d.target.value for n, d in decisions.items()}})
+    shard_bytes = {s: 0 for s in source.shards}
+    for i in source.infos.values():
+        shard_bytes[i.shard] += i.nbytes
+    out_shards = [s for s in source.shards
+                  if any(t.name not in skip for t in source.tensors_in(s))]
+    job = _Job(source, decisions, skip, out_shards, shard_bytes)
+    bytes_in = sum(shard_bytes.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
-    elements = 0
-    bar = tqdm(total=bytes_in, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    for shard in source.shards:
-        members = [t for t in source.tensors_in(shard) if t.name not in skip]
-        shard_bytes = sum(i.nbytes for i in source.infos.values() if i.shard == shard)
-        if not members:
-            bar.update(shard_bytes)
-            continue
-        out_shards.append(shard)
-        if ledger.is_done(shard):
-            skipped += 1
-            bar.update(shard_bytes)
-            continue
-        bar.set_postfix_str(shard)
-        tensors: dict[str, torch.Tensor] = {}
-        for t in members:
-            d = decisions[t.name]
-            if d.target is Target.NVFP4:
-                packed, scale, g = quant(t.name)
-                tensors.update(writer.emit_nvfp4(module_of(t.name), packed, scale, g))
-                elements += t.numel
-            elif d.target is Target.BF16:
-                tensors[t.name] = source.read(t.name).to(torch.bfloat16)
-            else:
-                tensors[t.name] = source.read(t.name)
-        write_shard_atomic(tensors, out / shard)
-        del tensors
-        _release_freed_memory()
-        ledger.mark(shard)
-        written += 1
-        bar.update(shard_bytes)
+
+    err = None
+    if world.rank == 0:
+        try:
+            _prepare_out(out, resume)
+        except OutputError as e:
+            err = e
+    if (err := world.broadcast(err)) is not None:
+        raise err
+    _bound_allocator()
+    ledger = Ledger(out, job_id, resume, rank=world.rank if world.size > 1 else None)
+    mine = assign_shards({s: shard_bytes[s] for s in out_shards}, world.size)[world.rank]
+    bar = tqdm(total=sum(shard_bytes[s] for s in mine), unit="B", unit_scale=True,
+               desc="convert" if world.size == 1 else f"convert rank {world.rank}",
+               disable=not progress, position=world.rank)
+    if world.size == 1:
+        stats = [_convert_shards(job, mine, writer, out, ledger, dev, kernel, bar)]
+    else:
+        try:
+            mine_stats = ("ok", _convert_shards(job, mine, writer, out, ledger, dev, kernel, bar))
+        except BaseException as e:  # every rank learns of it below, then all raise
+            mine_stats = ("err", e)
+        results = world.gather(mine_stats)
+        for status, value in results:
+            if status == "err":
+                raise value
+        stats = [v for _, v in results]
     bar.close()
     source.close()
+    written, skipped, elements = (sum(x) for x in zip(*stats))
 
-    index = write_index(out, out_shards)
+    summary = err = None
+    if world.rank == 0:
+        try:
+            summary = _finish(src, out, job, writer, scheme, options, headers, counts, notes,
+                              bytes_in, source_info)
+            summary.elements_quantized, summary.shards_written = elements, written
+            summary.shards_skipped, summary.seconds = skipped, time.perf_counter() - t0
+        except BaseException as e:
+            err = e
+    summary, err = world.broadcast((summary, err))
+    if err is not None:
+        raise err
+    return summary
+
+
+def _finish(src: Path, out: Path, job: _Job, writer, scheme: str, options: dict, headers: dict,
+            counts: Counter, notes: list[str], bytes_in: int, source_info: dict | None) -> Summary:
+    """After every shard is written: index, config, carried files, manifest (rank 0 only)."""
+    source, decisions, skip = job.source, job.decisions, job.skip
+    index = write_index(out, job.out_shards)
     ignore = sorted({module_of(n) for n, d in decisions.items()
                      if n not in skip and d.target is not Target.NVFP4 and module_of(n)})
     if _tied(source.config) and "lm_head" not in ignore:
@@ -234,8 +361,9 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
     config["quantization_config"] = writer.quantization_config(sorted(ignore), scheme)
     write_json_atomic(config, out / "config.json")
     carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME})
-    summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], elements,
-                      time.perf_counter() - t0, written, skipped, sorted(ignore), notes)
+    remove_ledgers(out)
+    summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], 0, 0.0, 0, 0,
+                      sorted(ignore), notes)
     write_manifest(out, {
         "tool": "spark-quant", "version": __version__,
         "source": {"path": str(src.resolve()), "layout": source.kind.value,
@@ -247,5 +375,4 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
                     "bytes_out": summary.bytes_out, "ignore": sorted(ignore), "notes": notes,
                     "carried_files": carried},
     })
-    ledger.finish()
     return summary

@@ -28,6 +28,7 @@ from quantize.kernels.dtypes import (
 
 __all__ = [
     "global_scale_from_amax",
+    "nvfp4_block_scale",
     "quantize_nvfp4",
     "dequantize_nvfp4",
     "pack_e2m1",
@@ -85,6 +86,30 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
+def nvfp4_block_scale(block_amax: torch.Tensor, global_scale: torch.Tensor,
+                      e2m1_max: float | torch.Tensor = E2M1_MAX) -> torch.Tensor:
+    """e4m3 block scales of blocks with max |w| ``block_amax``, as float32 values.
+
+    ``fp8(clamp(global * (block_amax / 6), -448, 448))`` in compressed-tensors' order
+    (``calculate_qparams``); a non-zero block whose scale would underflow gets 2^-9 (FC-11b);
+    a zero scale becomes 0.125 (compressed-tensors ``_get_dtype_eps``).
+
+    Args:
+        block_amax: float32, any shape, >= 0. global_scale: float32 [1] (``2688 / amax``).
+        e2m1_max: 6; compiled callers pass it as a 0-dim tensor so that no compiler turns the
+            division into a multiplication by 1/6 (not exact).
+
+    Returns:
+        float32, shape of ``block_amax``; every value is exactly representable in e4m3.
+    """
+    pre = global_scale * (block_amax / e2m1_max)
+    pre = torch.clamp(pre, -E4M3_MAX, E4M3_MAX)
+    # FC-11b: a non-zero block must not underflow to a zero scale.
+    pre = torch.where((block_amax > 0) & (pre < E4M3_MIN_SUBNORMAL), E4M3_MIN_SUBNORMAL, pre)
+    scale_f = pre.to(torch.float8_e4m3fn).to(torch.float32)
+    return torch.where(scale_f == 0, CT_ZERO_BLOCK_SCALE, scale_f)
+
+
 def quantize_nvfp4(
     w: torch.Tensor, global_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,14 +135,7 @@ def quantize_nvfp4(
         raise ValueError(f"K={k} is not a multiple of the NVFP4 group size {NVFP4_GROUP_SIZE}")
     g = global_scale.to(device=w.device, dtype=torch.float32)
     blocks = w.view(n, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
-    block_amax = blocks.abs().amax(dim=-1)
-    # CT order: (amax_b / 6) * global, clamped into the e4m3 range, then cast.
-    pre = g * (block_amax / E2M1_MAX)
-    pre = torch.clamp(pre, -E4M3_MAX, E4M3_MAX)
-    # FC-11b: a non-zero block must not underflow to a zero scale.
-    pre = torch.where((block_amax > 0) & (pre < E4M3_MIN_SUBNORMAL), E4M3_MIN_SUBNORMAL, pre)
-    scale_f = pre.to(torch.float8_e4m3fn).to(torch.float32)
-    scale_f = torch.where(scale_f == 0, CT_ZERO_BLOCK_SCALE, scale_f)
+    scale_f = nvfp4_block_scale(blocks.abs().amax(dim=-1), g)
     eff = scale_f / g
     q = blocks / eff.unsqueeze(-1)
     q = torch.clamp(q, -E2M1_MAX, E2M1_MAX)
