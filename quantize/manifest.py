@@ -80,15 +80,18 @@ def remove_ledgers(out: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def write_manifest(out: Path, info: dict) -> dict:
+def write_manifest(out: Path, info: dict, digests: dict[str, str] | None = None) -> dict:
     """Hash every file in ``out`` (except the manifest and ledger) into ``info["files"]`` and
-    write the manifest atomically. Returns the manifest dict."""
+    write the manifest atomically. ``digests`` (file name -> sha256 the ledgers recorded when
+    the shards were written or verified on resume) saves hashing those files again. Returns
+    the manifest dict."""
     out = Path(out)
+    digests = digests or {}
     files = {}
     for p in sorted(out.rglob("*")):
         rel = str(p.relative_to(out))
         if p.is_file() and rel != MANIFEST_NAME and not _is_ledger(rel) and not rel.endswith(".tmp"):
-            files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            files[rel] = {"sha256": digests.get(rel) or sha256_file(p), "bytes": p.stat().st_size}
     manifest = dict(info, files=files)
     write_json_atomic(manifest, out / MANIFEST_NAME)
     return manifest

@@ -195,7 +195,8 @@ def _convert_shards(job: _Job, shards: list[str], writer, out: Path, ledger: Led
     at most 2 prepared tensors wait for the quantizer and 1 finished shard for the writer.
 
     Returns:
-        (shards written, shards skipped because the ledger has them, elements quantized).
+        (shards written, shards skipped because the ledger has them, elements quantized,
+        {shard: sha256} of this rank's shards).
     """
     todo = []
     for shard in shards:
@@ -233,7 +234,7 @@ def _convert_shards(job: _Job, shards: list[str], writer, out: Path, ledger: Led
     finally:
         reader.close()
         saver.close()
-    return len(todo), len(shards) - len(todo), elements
+    return len(todo), len(shards) - len(todo), elements, {s: ledger.done[s] for s in shards}
 
 def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
@@ -330,13 +331,14 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
         stats = [v for _, v in results]
     bar.close()
     source.close()
-    written, skipped, elements = (sum(x) for x in zip(*stats))
+    written, skipped, elements = (sum(x[i] for x in stats) for i in range(3))
+    digests = {k: v for x in stats for k, v in x[3].items()}
 
     summary = err = None
     if world.rank == 0:
         try:
             summary = _finish(src, out, job, writer, scheme, options, headers, counts, notes,
-                              bytes_in, source_info)
+                              bytes_in, source_info, digests)
             summary.elements_quantized, summary.shards_written = elements, written
             summary.shards_skipped, summary.seconds = skipped, time.perf_counter() - t0
         except BaseException as e:
@@ -348,7 +350,8 @@ def convert(src: str | Path, out: str | Path, *, scheme: str = "w4a16",
 
 
 def _finish(src: Path, out: Path, job: _Job, writer, scheme: str, options: dict, headers: dict,
-            counts: Counter, notes: list[str], bytes_in: int, source_info: dict | None) -> Summary:
+            counts: Counter, notes: list[str], bytes_in: int, source_info: dict | None,
+            digests: dict[str, str]) -> Summary:
     """After every shard is written: index, config, carried files, manifest (rank 0 only)."""
     source, decisions, skip = job.source, job.decisions, job.skip
     index = write_index(out, job.out_shards)
@@ -374,5 +377,5 @@ def _finish(src: Path, out: Path, job: _Job, writer, scheme: str, options: dict,
         "summary": {"tensors_by_target": dict(sorted(counts.items())), "bytes_in": bytes_in,
                     "bytes_out": summary.bytes_out, "ignore": sorted(ignore), "notes": notes,
                     "carried_files": carried},
-    })
+    }, digests)
     return summary

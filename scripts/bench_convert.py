@@ -1,17 +1,29 @@
-"""Benchmark the streaming converter against a plain read + write of the same bytes.
+"""Benchmark the streaming converter; every ratio below is measured in this one run.
 
-Prints, measured in one run on this machine:
-- our conversion of a synthetic GLM-expert-shaped block-FP8 checkpoint: G elements/s and
-  GB/s of source, and the ratio to a plain sequential read + write (+ fsync) of the same
-  files;
-- the same on the demo (SmolLM2-135M as block FP8), if it is built;
-- peak RSS of the conversion (own process) at 4 and at 16 shards of equal size.
+On one synthetic block-FP8 checkpoint shaped like GLM-5.3-Flash routed experts (gate/up
+[2048, 6144], down [6144, 2048], 128x128 blocks, 8 experts a shard), it prints:
 
-    python scripts/bench_convert.py --device cpu --size-gb 2
+- a plain sequential read + write (+ fsync) of the same files: the machine's I/O rate;
+- spark-quant with the fast kernel (``--kernel auto``: inductor on CPU, Triton on CUDA):
+  seconds, G elements/s, GB/s of source, CPU seconds, peak RSS and peak GPU memory, and the
+  ratio to the plain read + write;
+- the plain-PyTorch reference (``--kernel reference``) on the first ``--reference-gb`` of the
+  same shards, the ratio of G elements/s, and whether the shards both wrote are byte-identical;
+- llm-compressor ``model_free_ptq`` (scheme NVFP4A16, ``FP8BlockDequantizer`` so that it
+  reads the block FP8 source, ignore ``lm_head`` and embeddings) on the first ``--llmc-gb``,
+  run with ``--llmc-python`` (its own environment: it pins transformers <= 5.17);
+- the demo (SmolLM2-135M as block FP8), if it is built;
+- peak RSS at 4 and at 16 shards of equal size (flat: FC-04);
+- a projection of the time for a 306 GiB checkpoint.
+
+    python scripts/bench_convert.py --device cpu --size-gb 4 --reference-gb 1 \\
+        --llmc-python /work/venv-llmc/bin/python --llmc-gb 0.3
 """
 
 import argparse
+import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -24,18 +36,35 @@ sys.path.insert(0, str(ROOT))
 
 from quantize.fixtures import write_synthetic_fp8  # noqa: E402
 
+INDEX = "model.safetensors.index.json"
+GIB_306 = 306 * 2**30
+
 PROBE = """
-import sys, json, time
+import json, sys, torch
 from quantize.pipeline import convert
 
 def peak_rss():  # VmHWM is reset by exec, unlike ru_maxrss
     status = open("/proc/self/status").read()
     return int(status.split("VmHWM:")[1].split()[0]) * 1024
 
-s = convert(sys.argv[1], sys.argv[2], progress=False, device=sys.argv[3])
-print(json.dumps({"peak_rss": peak_rss(),
-                  "seconds": s.seconds, "elements": s.elements_quantized,
-                  "bytes_in": s.bytes_in}))
+src, out, device, kernel, workers = sys.argv[1:6]
+s = convert(src, out, progress=False, device=device, kernel=kernel, workers=int(workers))
+gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+print(json.dumps({"peak_rss": peak_rss(), "peak_gpu": gpu, "seconds": s.seconds,
+                  "elements": s.elements_quantized, "bytes_in": s.bytes_in}))
+"""
+
+LLMC = """
+import json, sys, time
+from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
+from llmcompressor import model_free_ptq
+
+src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+t0 = time.perf_counter()
+model_free_ptq(src, out, scheme="NVFP4A16", ignore=["lm_head", "re:.*embed_tokens$"],
+               max_workers=workers, device="cpu",
+               converter=FP8BlockDequantizer(targets=["re:.*_proj$"]))
+print(json.dumps({"seconds": time.perf_counter() - t0}))
 """
 
 
@@ -53,30 +82,69 @@ def plain_copy(src: Path, dst: Path) -> float:
     return time.perf_counter() - t0
 
 
-def drop_caches() -> None:
-    """Best effort: make both runs read from disk (needs root; ignored otherwise)."""
+def drop_caches() -> bool:
+    """Best effort: make the next run read from disk (needs root). True when it worked."""
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
     except OSError:
-        pass
+        return False
 
 
-def run_convert(src: Path, out: Path, device: str) -> dict:
-    import json
+def child_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
-    r = subprocess.run([sys.executable, "-c", PROBE, str(src), str(out), device],
-                       capture_output=True, text=True, cwd=ROOT,
+
+def run_json(cmd: list[str]) -> dict:
+    """Run ``cmd``; its last stdout line is JSON. Adds ``cpu_seconds`` (children included)."""
+    c0 = child_cpu_seconds()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if r.returncode:
-        raise SystemExit(r.stderr)
-    return json.loads(r.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"{' '.join(cmd[:3])} failed:\n{r.stderr[-4000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["cpu_seconds"] = child_cpu_seconds() - c0
+    return out
+
+
+def run_convert(src: Path, out: Path, device: str, kernel: str = "auto", workers: int = 1) -> dict:
+    return run_json([sys.executable, "-c", PROBE, str(src), str(out), device, kernel, str(workers)])
+
+
+def subset(src: Path, dst: Path, gb: float) -> tuple[Path, int]:
+    """The first shards of ``src`` (at least one, about ``gb`` GB) as their own checkpoint
+    (hard links, a filtered index); returns it and its number of shards."""
+    index = json.loads((src / INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    per = (src / shards[0]).stat().st_size
+    keep = shards[: max(1, min(len(shards), round(gb * 1e9 / per)))]
+    dst.mkdir(parents=True)
+    for s in keep:
+        os.link(src / s, dst / s)
+    wm = {k: v for k, v in index["weight_map"].items() if v in keep}
+    (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    shutil.copy(src / "config.json", dst / "config.json")
+    return dst, len(keep)
+
+
+def same_shards(a: Path, b: Path, shards: list[str]) -> bool:
+    return all((a / s).read_bytes() == (b / s).read_bytes() for s in shards)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--size-gb", type=float, default=2.0, help="FP8 bytes of the synthetic checkpoint")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--size-gb", type=float, default=4.0, help="FP8 bytes of the checkpoint")
+    ap.add_argument("--workers", type=int, default=1, help="processes for spark-quant")
+    ap.add_argument("--reference-gb", type=float, default=None,
+                    help="run the plain-PyTorch reference on this much (default: all)")
+    ap.add_argument("--llmc-python", default=None, help="python of an env with llmcompressor")
+    ap.add_argument("--llmc-gb", type=float, default=0.3)
+    ap.add_argument("--llmc-workers", type=int, default=1)
+    ap.add_argument("--project-cores", type=int, default=16,
+                    help="cores of the CPU box in the 306 GiB projection")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-convert-"))
@@ -84,20 +152,64 @@ def main() -> None:
     shard_bytes = 3 * hidden * inter * per_shard
     n_shards = max(1, round(args.size_gb * 1e9 / shard_bytes))
     src = write_synthetic_fp8(work / "src", n_shards, per_shard, hidden, inter, fast=True)
-    drop_caches()
+
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"machine: {cores} cores, load average {os.getloadavg()[0]:.1f}, device {dev_name}, "
+          f"torch {torch.__version__}, {args.workers} worker(s)")
+
+    cold = drop_caches()
     t_plain = plain_copy(src, work / "copy")
     shutil.rmtree(work / "copy")
     drop_caches()
-    r = run_convert(src, work / "out", args.device)
-    gb = r["bytes_in"] / 1e9
-    print(f"machine: {os.cpu_count()} cores, device {args.device}, torch threads default")
-    print(f"synthetic block FP8: {n_shards} shards, {gb:.2f} GB, {r['elements'] / 1e9:.2f} G elements")
-    print(f"  plain read + write : {t_plain:.1f} s  ({gb / t_plain:.3f} GB/s)")
-    print(f"  spark-quant convert: {r['seconds']:.1f} s  ({r['elements'] / r['seconds'] / 1e9:.3f} "
-          f"G elements/s, {gb / r['seconds']:.3f} GB/s of source)")
-    print(f"  ratio convert / plain read+write throughput: {t_plain / r['seconds']:.3f}")
-    print(f"  peak RSS: {r['peak_rss'] / 2**20:.0f} MiB")
+    r = run_convert(src, work / "out", args.device, "auto", args.workers)
+    gb, gel = r["bytes_in"] / 1e9, r["elements"] / 1e9
+    rate = gel / r["seconds"]
+    print(f"synthetic block FP8: {n_shards} shards, {gb:.2f} GB, {gel:.2f} G elements "
+          f"(page cache dropped before each run: {'yes' if cold else 'no, not root'})")
+    print(f"  plain read + write   : {t_plain:7.1f} s  ({gb / t_plain:.3f} GB/s)")
+    print(f"  spark-quant (fast)   : {r['seconds']:7.1f} s  ({rate:.3f} G elements/s, "
+          f"{gb / r['seconds']:.3f} GB/s of source; {r['cpu_seconds']:.0f} CPU s = "
+          f"{r['elements'] / r['cpu_seconds'] / 1e9:.3f} G elements per CPU second)")
+    print(f"    ratio to plain read + write throughput: {t_plain / r['seconds']:.3f}")
+    print(f"    peak RSS {r['peak_rss'] / 2**20:.0f} MiB, peak GPU memory {r['peak_gpu'] / 2**20:.0f} MiB")
+
+    ref_gb = args.size_gb if args.reference_gb is None else args.reference_gb
+    sub, k = subset(src, work / "src-ref", ref_gb)
+    drop_caches()
+    ref = run_convert(sub, work / "out-ref", args.device, "reference", args.workers)
+    ref_rate = ref["elements"] / ref["seconds"] / 1e9
+    shards = sorted(p.name for p in sub.glob("*.safetensors"))
+    same = same_shards(work / "out", work / "out-ref", shards)
+    print(f"  plain-PyTorch reference, first {k} shards ({ref['bytes_in'] / 1e9:.2f} GB): "
+          f"{ref['seconds']:.1f} s ({ref_rate:.4f} G elements/s, "
+          f"{ref['elements'] / ref['cpu_seconds'] / 1e9:.4f} per CPU second)")
+    print(f"    ratio fast / reference (G elements/s): {rate / ref_rate:.1f}; "
+          f"shards byte-identical: {same}")
+
+    if args.llmc_python:
+        sub, k = subset(src, work / "src-llmc", args.llmc_gb)
+        drop_caches()
+        lc = run_json([args.llmc_python, "-c", LLMC, str(sub), str(work / "out-llmc"),
+                       str(args.llmc_workers)])
+        elements = k * per_shard * 3 * hidden * inter  # every expert weight is quantized
+        lc_rate = elements / lc["seconds"] / 1e9
+        print(f"  llm-compressor model_free_ptq NVFP4A16 (FP8BlockDequantizer, CPU, "
+              f"{args.llmc_workers} worker(s)), first {k} shards: {lc['seconds']:.1f} s "
+              f"({lc_rate:.4f} G elements/s, {lc['cpu_seconds']:.0f} CPU s)")
+        print(f"    ratio fast / model_free_ptq (G elements/s): {rate / lc_rate:.1f}")
     shutil.rmtree(work / "out")
+
+    per_cpu_s = r["elements"] / r["cpu_seconds"]
+    t306 = GIB_306 / (gb * 1e9 / r["seconds"])
+    print(f"projection, 306 GiB of FP8 source: {t306 / 60:.1f} min at this run's rate; "
+          f"plain read + write of it here: {GIB_306 / (gb * 1e9 / t_plain) / 60:.1f} min")
+    if args.device == "cpu":
+        print(f"  compute-bound on {args.project_cores} cores at this run's G elements per CPU "
+              f"second: {GIB_306 / (per_cpu_s * args.project_cores) / 60:.1f} min "
+              "(then bounded by that box's disk)")
 
     demo = Path(os.environ.get("SPARK_QUANT_CACHE", Path.home() / ".cache/spark-quant")) / "demo-smollm2-135m-fp8-v1"
     if demo.is_dir():
