@@ -101,7 +101,8 @@ def run_json(cmd: list[str]) -> dict:
     """Run ``cmd``; its last stdout line is JSON. Adds ``cpu_seconds`` (children included)."""
     c0 = child_cpu_seconds()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])))
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd[:3])} failed:\n{r.stderr[-4000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
