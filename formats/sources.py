@@ -193,6 +193,10 @@ class Source:
             return raw, scale.reshape(1, 1), (n, k)
         return raw, scale.reshape(n, 1), (1, k)
 
+    def prefetch(self, shard: str) -> None:
+        """Start reading ``shard`` from disk in the background (see ``ShardReader.prefetch``)."""
+        self._reader.prefetch(shard)
+
     def read_raw(self, name: str) -> torch.Tensor:
         """Read any stored tensor (weights or scale sidecars) exactly as stored."""
         return self._reader.get(self.infos[name].shard, name)

@@ -165,7 +165,9 @@ class _Reader:
         ``(shard, None, None)`` after each shard; for NVFP4 targets value is
         ``(Prepared, global_scale)``, else the tensor to write."""
         job = self.job
-        for shard in shards:
+        for i, shard in enumerate(shards):
+            for ahead in shards[i : i + 2]:  # this shard and the next: the disk never idles
+                job.source.prefetch(ahead)
             done: set[str] = set()
             members = [t for t in job.source.tensors_in(shard) if t.name not in job.skip]
             for t in members:

@@ -40,7 +40,11 @@ INDEX = "model.safetensors.index.json"
 GIB_306 = 306 * 2**30
 
 PROBE = """
-import json, sys, torch
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+import formats.compressed_tensors  # the writer's imports (compressed-tensors, transformers)
+from quantize.kernels.fused import MIN_COMPILED_ELEMENTS, choose_backend, prepare_fp8
 from quantize.pipeline import convert
 
 def peak_rss():  # VmHWM is reset by exec, unlike ru_maxrss
@@ -48,10 +52,25 @@ def peak_rss():  # VmHWM is reset by exec, unlike ru_maxrss
     return int(status.split("VmHWM:")[1].split()[0]) * 1024
 
 src, out, device, kernel, workers = sys.argv[1:6]
+dev = torch.device(device)
+# one-time costs, reported apart: imports, CUDA context, kernel compilation (disk-cached)
+w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+prepare_fp8(w, torch.ones(2, 4), (128, 128), choose_backend(kernel, dev, MIN_COMPILED_ELEMENTS),
+            device=dev).quantize(torch.ones(1))
+startup = time.perf_counter() - t0
+
+def cpu():  # this process and its workers, user + system
+    import resource
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+c0 = cpu()
 s = convert(src, out, progress=False, device=device, kernel=kernel, workers=int(workers))
+c1 = cpu()
 gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 print(json.dumps({"peak_rss": peak_rss(), "peak_gpu": gpu, "seconds": s.seconds,
-                  "elements": s.elements_quantized, "bytes_in": s.bytes_in}))
+                  "startup": startup, "elements": s.elements_quantized, "bytes_in": s.bytes_in,
+                  "cpu_seconds": c1 - c0}))
 """
 
 LLMC = """
@@ -98,7 +117,8 @@ def child_cpu_seconds() -> float:
 
 
 def run_json(cmd: list[str]) -> dict:
-    """Run ``cmd``; its last stdout line is JSON. Adds ``cpu_seconds`` (children included)."""
+    """Run ``cmd``; its last stdout line is JSON. Adds ``cpu_seconds`` (the whole process,
+    children included) unless the command measured its own."""
     c0 = child_cpu_seconds()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -106,7 +126,7 @@ def run_json(cmd: list[str]) -> dict:
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd[:3])} failed:\n{r.stderr[-4000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    out["cpu_seconds"] = child_cpu_seconds() - c0
+    out.setdefault("cpu_seconds", child_cpu_seconds() - c0)
     return out
 
 
@@ -174,7 +194,9 @@ def main() -> None:
     print(f"  spark-quant (fast)   : {r['seconds']:7.1f} s  ({rate:.3f} G elements/s, "
           f"{gb / r['seconds']:.3f} GB/s of source; {r['cpu_seconds']:.0f} CPU s = "
           f"{r['elements'] / r['cpu_seconds'] / 1e9:.3f} G elements per CPU second)")
-    print(f"    ratio to plain read + write throughput: {t_plain / r['seconds']:.3f}")
+    print(f"    ratio to plain read + write throughput: {t_plain / r['seconds']:.3f} (process "
+          f"startup before it, not counted: {r['startup']:.1f} s of imports, CUDA context, "
+          "kernel compilation)")
     print(f"    peak RSS {r['peak_rss'] / 2**20:.0f} MiB, peak GPU memory {r['peak_gpu'] / 2**20:.0f} MiB")
 
     ref_gb = args.size_gb if args.reference_gb is None else args.reference_gb
