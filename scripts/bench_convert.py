@@ -230,9 +230,9 @@ def main() -> None:
     print(f"projection, 306 GiB of FP8 source: {t306 / 60:.1f} min at this run's rate; "
           f"plain read + write of it here: {GIB_306 / (gb * 1e9 / t_plain) / 60:.1f} min")
     if args.device == "cpu":
-        print(f"  compute-bound on {args.project_cores} cores at this run's G elements per CPU "
-              f"second: {GIB_306 / (per_cpu_s * args.project_cores) / 60:.1f} min "
-              "(then bounded by that box's disk)")
+        print(f"  lower bound on {args.project_cores} cores (this run's G elements per CPU "
+              f"second, perfect scaling, an infinitely fast disk): "
+              f"{GIB_306 / (per_cpu_s * args.project_cores) / 60:.1f} min")
 
     demo = Path(os.environ.get("SPARK_QUANT_CACHE", Path.home() / ".cache/spark-quant")) / "demo-smollm2-135m-fp8-v1"
     if demo.is_dir():
