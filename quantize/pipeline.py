@@ -192,7 +192,7 @@ class _Reader:
 
 
 def _convert_shards(job: _Job, shards: list[str], writer, out: Path, ledger: Ledger,
-                    device: torch.device, kernel: str, bar) -> tuple[int, int, int]:
+                    device: torch.device, kernel: str, bar) -> tuple[int, int, int, dict]:
     """Convert ``shards`` with reading, quantizing and writing overlapped (quantize/overlap.py):
     at most 2 prepared tensors wait for the quantizer and 1 finished shard for the writer.
 
