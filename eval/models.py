@@ -21,7 +21,8 @@ import torch
 from formats.sources import open_source
 from quantize.kernels.nvfp4 import dequantize_nvfp4
 
-__all__ = ["load_source_model", "load_build_model", "dequantized_reference_state"]
+__all__ = ["load_source_model", "load_build_model", "dequantized_reference_state", "source_dense_state",
+           "build_dense_state", "load_dense_model"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _NVFP4 = (".weight_packed", ".weight_scale", ".weight_global_scale")
@@ -185,3 +186,90 @@ def dequantized_reference_state(folder: str | Path,
         state[m + ".weight"] = dequantize_nvfp4(g[".weight_packed"], g[".weight_scale"],
                                                 g[".weight_global_scale"]).to(weight_dtype)
     return state
+
+
+def source_dense_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every logical tensor of a source (FP8 dequantized to float32 by our reader, others as
+    stored), under its on-disk name."""
+    src = open_source(folder)
+    try:
+        return {n: src.read(n) for n in sorted(src.tensors)}
+    finally:
+        src.close()
+
+
+def build_dense_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """A build decompressed by compressed-tensors' own compressors, module by module
+    (``BaseCompressor.get_value_from_registry(format).decompress``, as transformers'
+    ``CompressedTensorsDequantize`` does), under on-disk names. ModelOpt builds are first
+    renamed to compressed-tensors names with reciprocal scalars
+    (``formats.modelopt.to_compressed_tensors``), so the same reference decoder reads both.
+
+    Quantized weights come back as bfloat16 (compressed-tensors decompresses through bf16).
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from safetensors.torch import load_file
+
+    from formats import modelopt
+
+    folder = Path(folder)
+    raw: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        raw.update(load_file(str(shard)))
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    if qc["quant_method"] == "modelopt":
+        raw = modelopt.to_compressed_tensors(raw)
+    schemes = {"nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"), "fp8-block": ("FP8_BLOCK", "float-quantized"),
+               "mxfp8": ("MXFP8A16", "mxfp8-quantized")}
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    state = {}
+    for name, t in raw.items():
+        mod, local = name.rsplit(".", 1) if "." in name else ("", name)
+        if local in ("weight", "weight_packed", "weight_scale", "weight_global_scale"):
+            modules.setdefault(mod, {})[local] = t
+        else:
+            state[name] = t
+    for mod, t in modules.items():
+        if "weight_scale" not in t:
+            state[f"{mod}.weight"] = t["weight"]
+            continue
+        kind = "nvfp4" if "weight_packed" in t else "mxfp8" if t["weight_scale"].dtype == torch.uint8 else "fp8-block"
+        preset, fmt = schemes[kind]
+        scheme = preset_name_to_scheme(preset, ["Linear"])
+        local = dict(t)
+        if kind == "nvfp4":
+            local["weight_shape"] = torch.tensor([t["weight_packed"].shape[0], t["weight_packed"].shape[1] * 2])
+        out = BaseCompressor.get_value_from_registry(fmt).decompress(local, scheme)
+        state[f"{mod}.weight"] = out["weight"]
+    return state
+
+
+def load_dense_model(state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype = torch.float32):
+    """Instantiate ``config``'s architecture from a dense state dict with on-disk names.
+
+    The state is written to a temporary folder (one safetensors file, config without
+    ``quantization_config``) and loaded with the ``architectures[0]`` class's
+    ``from_pretrained``, so transformers' own conversion mapping turns the on-disk layout
+    (per-expert 2-D experts, GLM-5.3 KDA names) into its modules.
+
+    Raises:
+        RuntimeError: the model has parameters the state does not provide.
+    """
+    import tempfile
+
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = json.loads(json.dumps(config))
+    cfg.pop("quantization_config", None)
+    _text_cfg(cfg).pop("quantization_config", None)
+    cls = getattr(transformers, cfg["architectures"][0])
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file({k: v.contiguous().to(dtype) for k, v in state.items()}, f"{tmp}/model.safetensors")
+        AutoConfig.for_model(**cfg).save_pretrained(tmp)
+        model, info = cls.from_pretrained(tmp, dtype=dtype, output_loading_info=True)
+    if info["missing_keys"]:
+        raise RuntimeError(f"parameters missing from the state: {sorted(info['missing_keys'])[:10]}")
+    return model.eval()

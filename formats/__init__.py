@@ -14,17 +14,19 @@ class OutputFormat(str, Enum):
     """Target checkpoint layouts; values are the names users pass to ``--format``."""
 
     COMPRESSED_TENSORS = "compressed-tensors"
+    MODELOPT = "modelopt"
 
 
 def get_writer(name: str) -> ModuleType:
-    """The writer module for ``name`` (``emit_nvfp4``, ``quantization_config``, ...).
+    """The writer module for ``name`` (``emit_nvfp4``, ``emit_fp8_block``, ``emit_mxfp8``,
+    ``output_specs``, ``quantization_config``, ``extra_files``, ``NVFP4_ORDER``).
 
     Raises:
         ValueError: unknown name, listing the valid ones.
     """
-    from formats import compressed_tensors
+    from formats import compressed_tensors, modelopt
 
-    writers = {OutputFormat.COMPRESSED_TENSORS: compressed_tensors}
+    writers = {OutputFormat.COMPRESSED_TENSORS: compressed_tensors, OutputFormat.MODELOPT: modelopt}
     try:
         return writers[OutputFormat(name)]
     except ValueError:

@@ -1,36 +1,58 @@
-"""compressed-tensors ``nvfp4-pack-quantized`` layout (vLLM, SGLang, transformers).
+"""compressed-tensors layouts (vLLM, SGLang, transformers).
 
 Per quantized Linear ``<m>`` [compressed-tensors compressors/nvfp4/base.py
-NVFP4PackedCompressor.compression_param_names]:
+NVFP4PackedCompressor, naive_quantized/base.py, mxfp8/base.py]:
 
-| tensor                    | dtype         | shape     | meaning                          |
-| ``<m>.weight_packed``     | uint8         | [N, K/2]  | e2m1 codes, even column low      |
-| ``<m>.weight_scale``      | float8_e4m3fn | [N, K/16] | block scale                      |
-| ``<m>.weight_global_scale`` | float32     | [1]       | quantize direction, 2688 / amax  |
+| target    | tensor                      | dtype         | shape                        |
+| nvfp4     | ``<m>.weight_packed``       | uint8         | [N, K/2] e2m1, even col low  |
+|           | ``<m>.weight_scale``        | float8_e4m3fn | [N, K/16] block scale        |
+|           | ``<m>.weight_global_scale`` | float32       | [1], quantize dir. 2688/amax |
+| fp8-block | ``<m>.weight``              | float8_e4m3fn | [N, K]                       |
+|           | ``<m>.weight_scale``        | float32 (*)   | [ceil(N/128), ceil(K/128)], multiplier |
+| mxfp8     | ``<m>.weight``              | float8_e4m3fn | [N, K]                       |
+|           | ``<m>.weight_scale``        | uint8 (e8m0)  | [N, K/32]                    |
+
+(*) a passed-through DeepSeek ``weight_scale_inv`` keeps its stored dtype (F32, or BF16 in
+some third-party releases); it is renamed only.
 
 ``config.json`` ``quantization_config`` is built with compressed-tensors' own
-``QuantizationConfig`` / ``QuantizationScheme`` (preset NVFP4A16) and serialised with
-``model_dump``; ``ignore`` lists exact module names.
+``QuantizationConfig`` / ``QuantizationScheme`` (presets NVFP4A16, FP8_BLOCK, MXFP8A16) and
+serialised with ``model_dump``. One format: one group targeting ``Linear`` plus ``ignore``.
+Several formats (``mixed-precision``): one group per format whose targets are ``re:``
+patterns (digits generalised) checked to match only that group's modules, or exact names;
+TRT-LLM rejects class-name targets in mixed configs (formats_spec.md B.3.5).
 """
+
+import re
 
 import compressed_tensors
 import torch
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
-__all__ = ["FORMAT_NAME", "emit_nvfp4", "quantization_config", "QUANTIZED_SUFFIXES"]
+from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
+
+__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "emit_nvfp4", "emit_fp8_block", "emit_mxfp8",
+           "output_specs", "quantization_config", "extra_files", "QUANTIZED_SUFFIXES",
+           "compact_targets"]
 
 FORMAT_NAME = "nvfp4-pack-quantized"
+NVFP4_ORDER = "global"
+"""compressed-tensors divides by ``block_scale / global_scale`` (quantize direction)."""
 QUANTIZED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale")
 _PRESETS = {"w4a16": "NVFP4A16"}
+_TARGET_SCHEME = {"nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"),
+                  "fp8-block": ("FP8_BLOCK", "float-quantized"),
+                  "mxfp8": ("MXFP8A16", "mxfp8-quantized")}
 
 
 def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
-               global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+               global_scale: torch.Tensor, scale_2: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Name the NVFP4 tensors of ``module`` for this format.
 
     Args:
         packed: uint8 [N, K/2]. block_scale: float8_e4m3fn [N, K/16].
         global_scale: float32 [1], quantize direction (2688 / amax), stored as is.
+        scale_2: unused here (ModelOpt's dequant-direction scalar).
     """
     return {
         f"{module}.weight_packed": packed,
@@ -39,12 +61,57 @@ def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
     }
 
 
-def quantization_config(ignore: list[str], scheme: str = "w4a16") -> dict:
+def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32") -> dict:
+    """Names, safetensors dtypes and shapes the ``emit_*`` functions write for a quantized
+    ``target`` of a weight [N, K]."""
+    n, k = shape
+    if target == "nvfp4":
+        return {f"{module}.weight_packed": ("U8", (n, k // 2)),
+                f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
+                f"{module}.weight_global_scale": ("F32", (1,))}
+    specs = fp8_output_specs(module, target, shape, fp8_scale_dtype)
+    if specs is not None:
+        return specs
+    raise ValueError(f"{target!r} is not a quantized target")
+
+
+def _template(module: str) -> str:
+    """``re:`` pattern of ``module`` with every numeric path component generalised."""
+    parts = [r"\d+" if p.isdigit() else re.escape(p) for p in module.split(".")]
+    return "re:^" + r"\.".join(parts) + "$"
+
+
+def compact_targets(groups: dict[str, list[str]], others: list[str]) -> dict[str, list[str]]:
+    """Per group, a short target list matching exactly its modules.
+
+    A digit-generalised pattern is used when every module it matches (among all groups'
+    modules and ``others``) belongs to that group; otherwise the exact names are listed.
+    """
+    owner = {m: g for g, ms in groups.items() for m in ms}
+    for m in others:
+        owner.setdefault(m, None)
+    by_template: dict[str, set] = {}
+    for m, g in owner.items():
+        by_template.setdefault(_template(m), set()).add(g)
+    out = {}
+    for g, ms in groups.items():
+        targets = set()
+        for m in ms:
+            t = _template(m)
+            targets.add(t if by_template[t] == {g} else m)
+        out[g] = sorted(targets)
+    return out
+
+
+def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
+                        producer: dict | None = None) -> dict:
     """``quantization_config`` for config.json.
 
     Args:
+        targets: quantized module name -> target (``nvfp4``, ``fp8-block``, ``mxfp8``).
         ignore: exact module names written unquantized (derived from what was written).
         scheme: ``w4a16`` (weight-only NVFP4A16).
+        producer: unused (compressed-tensors records only its own ``version``).
 
     Raises:
         ValueError: unknown scheme.
@@ -52,10 +119,30 @@ def quantization_config(ignore: list[str], scheme: str = "w4a16") -> dict:
     if scheme not in _PRESETS:
         raise ValueError(f"scheme {scheme!r} is not available for compressed-tensors output "
                          f"(valid: {', '.join(_PRESETS)})")
-    group = preset_name_to_scheme(_PRESETS[scheme], ["Linear"])
-    group.format = FORMAT_NAME
-    cfg = QuantizationConfig(config_groups={"group_0": group}, format=FORMAT_NAME,
-                             quantization_status="compressed", ignore=sorted(ignore))
+    kinds = sorted(set(targets.values())) or ["nvfp4"]
+    if len(kinds) == 1:
+        preset, fmt = _TARGET_SCHEME[kinds[0]]
+        group = preset_name_to_scheme(preset, ["Linear"])
+        group.format = fmt
+        groups, top = {"group_0": group}, fmt
+    else:
+        by_kind = {k: sorted(m for m, t in targets.items() if t == k) for k in kinds}
+        compact = compact_targets(by_kind, list(ignore))
+        groups = {}
+        for i, k in enumerate(kinds):
+            preset, fmt = _TARGET_SCHEME[k]
+            group = preset_name_to_scheme(preset, compact[k])
+            group.format = fmt
+            groups[f"group_{i}"] = group
+        top = "mixed-precision"
+    cfg = QuantizationConfig(config_groups=groups, format=top, quantization_status="compressed",
+                             ignore=sorted(ignore))
     out = cfg.model_dump(mode="json")
     out["version"] = compressed_tensors.__version__
     return out
+
+
+def extra_files(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
+                producer: dict | None = None) -> dict[str, dict]:
+    """Files besides config.json this format needs: none."""
+    return {}

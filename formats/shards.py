@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,12 +15,23 @@ from safetensors.torch import save_file
 from quantize.errors import OutputError, SourceError
 
 __all__ = ["TensorInfo", "read_header", "ShardReader", "write_shard_atomic", "sha256_file",
-           "DTYPE_BYTES"]
+           "prefetch_file", "DTYPE_BYTES", "dtype_name"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
                "U32": 4, "U64": 8}
+_TORCH_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+                torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 MAX_HEADER_BYTES = 100_000_000  # same bound safetensors itself enforces
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors header dtype string of a torch dtype (``torch.float8_e4m3fn`` -> ``F8_E4M3``)."""
+    return _TORCH_NAMES[dtype]
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise SourceError(f"shard {name} is empty or truncated ({size} bytes)", shard=name)
     with open(path, "rb") as f:
         (hlen,) = struct.unpack("<Q", f.read(8))
-        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        if hlen > MAX_HEADER_BYTES:
+            raise SourceError(f"shard {name}: header length {hlen} exceeds the {MAX_HEADER_BYTES}"
+                              "-byte limit safetensors allows", shard=name)
+        if 8 + hlen > size:
             raise SourceError(f"shard {name}: header length {hlen} exceeds the file ({size} bytes)",
                               shard=name)
         try:
@@ -72,8 +87,13 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     data_len = size - 8 - hlen
     out: dict[str, TensorInfo] = {}
     spans = []
+    if not isinstance(header, dict):
+        raise SourceError(f"shard {name}: header is not a JSON object", shard=name)
     for key, v in header.items():
         if key == "__metadata__":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                raise SourceError(f"shard {name}: __metadata__ must map strings to strings",
+                                  shard=name, key="__metadata__")
             continue
         try:
             dtype, shape, (start, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
@@ -102,12 +122,15 @@ class ShardReader:
     """Lazy tensor reads from a folder of safetensors shards, a few open files at a time.
 
     Each ``get`` reads one tensor (safetensors ``safe_open``, memory-mapped), so memory holds
-    only what the caller keeps.
+    only what the caller keeps. ``locate(shard) -> Path`` says where a shard file is (default
+    ``folder / shard``); a Hub source passes one that downloads the shard on first use.
     """
 
-    def __init__(self, folder: Path, max_open: int = 4):
+    def __init__(self, folder: Path, max_open: int = 4,
+                 locate: Callable[[str], Path] | None = None):
         self.folder = Path(folder)
         self.max_open = max_open
+        self.locate = locate or (lambda shard: self.folder / shard)
         self._open: dict[str, object] = {}
 
     def get(self, shard: str, name: str) -> torch.Tensor:
@@ -116,7 +139,7 @@ class ShardReader:
         if h is None:
             if len(self._open) >= self.max_open:
                 self._open.pop(next(iter(self._open)))
-            h = safe_open(str(self.folder / shard), framework="pt", device="cpu")
+            h = safe_open(str(self.locate(shard)), framework="pt", device="cpu")
         self._open[shard] = h
         try:
             return h.get_tensor(name)
@@ -124,23 +147,29 @@ class ShardReader:
             raise SourceError(f"cannot read tensor {name} from shard {shard}: {e}", shard=shard,
                               tensor=name) from None
 
-    def prefetch(self, shard: str) -> None:
-        """Ask the kernel to start reading ``shard`` into the page cache now, in large
-        sequential requests (``posix_fadvise WILLNEED``), so that later lazy reads find the
-        bytes there instead of faulting them in page by page. Best effort; returns at once."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            fd = os.open(self.folder / shard, os.O_RDONLY)
-        except OSError:
-            return  # a missing shard is reported by get()
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
+    def drop(self, shard: str) -> None:
+        """Close ``shard`` (unmap it) so its file can be deleted."""
+        self._open.pop(shard, None)
 
     def close(self) -> None:
         self._open.clear()
+
+
+def prefetch_file(path: Path) -> None:
+    """Ask the kernel to start reading ``path`` into the page cache now, in large sequential
+    requests (``posix_fadvise WILLNEED``), so that later lazy (memory-mapped) reads find the
+    bytes there instead of faulting them in page by page. Best effort: returns at once, and
+    does nothing for a missing file or where fadvise does not exist."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -166,10 +195,14 @@ def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
     try:
         save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(tmp),
                   metadata=metadata or {"format": "pt"})
+        os.chmod(tmp, 0o666 & ~_UMASK)  # readable like any other output file, not 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except Exception as e:  # OSError, or safetensors' own error on a failed write
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         raise OutputError(f"cannot write shard {path.name} in {path.parent}: {e}",
                           shard=path.name) from None

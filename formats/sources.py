@@ -9,11 +9,16 @@
   quantization/lifecycle/initialize.py; formats_spec.md A.2]
 - dense: bf16 / fp16 / fp32 tensors, no ``quantization_config``.
 
+A *header-only descriptor* (``{"config": {...}, "tensors": {name: {"dtype": "F8_E4M3",
+"shape": [N, K]}}}``, one JSON file, e.g. from ``scripts/make_glm_fixture.py --size full``)
+opens as a Source with headers and no data: planning works, ``read`` raises.
+
 A *logical* tensor is what the model sees: an FP8 weight and its scale are one logical
 tensor named like the weight, read back as float32. Scale sidecars never leave this module.
 """
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -21,11 +26,11 @@ from pathlib import Path
 import torch
 
 from formats.checkpoint import load_index, read_all_headers
-from formats.shards import ShardReader, TensorInfo
+from formats.shards import ShardReader, TensorInfo, prefetch_file, read_header
 from quantize.errors import SourceError
 from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast
 
-__all__ = ["SourceKind", "LogicalTensor", "Source", "open_source"]
+__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "open_source"]
 
 FP8_DTYPES = {"F8_E4M3"}
 SCALE_DTYPES = {"F32", "BF16", "F16"}
@@ -73,16 +78,57 @@ class _Fp8Layout:
     group: int | None = None
 
 
+class ShardFiles:
+    """Where a source's shard files are. This base class: already on disk in ``folder``.
+
+    ``quantize.hub.HubShards`` overrides it to take headers from the Hub, download a shard on
+    first read and delete it once no later shard reads it.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.check_on_open = True  # load_index checks that every shard file exists
+
+    def header(self, shard: str) -> dict[str, TensorInfo]:
+        """Header of ``shard`` (tensor name -> TensorInfo), without reading tensor data."""
+        return read_header(self.folder / shard)
+
+    def path(self, shard: str) -> Path:
+        """Local path of ``shard``, making it available first if needed."""
+        return self.folder / shard
+
+    def identity(self, shard: str) -> list:
+        """What says a shard's bytes are unchanged (resume ledger): [size, mtime_ns].
+
+        Raises:
+            OSError: the file is gone.
+        """
+        st = (self.folder / shard).stat()
+        return [st.st_size, st.st_mtime_ns]
+
+    def release(self, shard: str) -> None:
+        """``shard`` will not be read again in this run (a no-op for a local folder)."""
+
+    def finish(self) -> None:
+        """Every shard has been streamed."""
+
+    def to_fetch(self) -> dict[str, int]:
+        """Shard name -> bytes still to download before it can be read (none for a folder)."""
+        return {}
+
+
 class Source:
     """A validated source checkpoint folder with lazy, dequantizing reads."""
 
     def __init__(self, folder: Path, config: dict, kind: SourceKind, layout: _Fp8Layout | None,
-                 weight_map: dict[str, str], infos: dict[str, TensorInfo]):
+                 weight_map: dict[str, str], infos: dict[str, TensorInfo], has_data: bool = True,
+                 files: ShardFiles | None = None):
         self.folder, self.config, self.kind, self.layout = Path(folder), config, kind, layout
-        self.weight_map, self.infos = weight_map, infos
+        self.weight_map, self.infos, self.has_data = weight_map, infos, has_data
+        self.files = files or ShardFiles(self.folder)
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
-        self._reader = ShardReader(self.folder, max_open=2)
+        self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path)
         self._build_logical()
 
     # ---- structure -------------------------------------------------------------------
@@ -118,14 +164,15 @@ class Source:
                 continue
             self.tensors[name] = LogicalTensor(name, info.shard, info.shape, info.dtype, scale)
         if problems:
+            more = [f"... and {len(problems) - 50} more"] if len(problems) > 50 else []
             raise SourceError(f"{len(problems)} problem(s) in {self.folder.name}:\n  "
-                              + "\n  ".join(problems), tensor=problems[0].split(" ")[2])
+                              + "\n  ".join(problems[:50] + more), tensor=problems[0].split(" ")[2])
 
     def _check_scale(self, w: TensorInfo, s: TensorInfo) -> str | None:
         if len(w.shape) != 2:
             return f"FP8 weight {w.name} in {w.shard} is {len(w.shape)}-D; expected 2-D"
         if s.dtype not in SCALE_DTYPES:
-            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32 or BF16"
+            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32, BF16 or F16"
         n, k = w.shape
         lay = self.layout
         if lay.block:
@@ -134,10 +181,11 @@ class Source:
         elif lay.group:
             ok = {(n, -(-k // lay.group))}
         else:  # tensor or channel strategy
-            ok = {(1,), (), (1, 1), (n, 1), (n,)}
+            ok = {(n, 1), (n,), (1,), (), (1, 1)}
         if tuple(s.shape) not in ok:
+            want = " or ".join(str(list(x)) for x in sorted(ok, key=len, reverse=True)[:2])
             return (f"scale {s.name} in {s.shard} has shape {list(s.shape)}; weight {w.name} "
-                    f"{n}x{k} needs {sorted(ok)[0]}")
+                    f"{n}x{k} needs {want}")
         return None
 
     @property
@@ -149,14 +197,46 @@ class Source:
         """Logical tensors whose data lives in ``shard`` (their scale may live elsewhere)."""
         return [t for t in self.tensors.values() if t.shard == shard]
 
+    def reads_of(self, shard: str) -> set[str]:
+        """Shards read to convert the tensors of ``shard``: their data and scale sidecars.
+
+        Fused-group partners in other shards are not listed: the converter keeps their amax
+        (in memory and in its resume ledger) once it has read them.
+        """
+        out = {shard}
+        for t in self.tensors_in(shard):
+            out.add(t.shard)
+            if t.scale is not None:
+                out.add(t.scale.shard)
+        return out
+
+    def stream(self, shards: list[str] | None = None) -> Iterator[str]:
+        """Yield shard names in index order (all, or those of ``shards``: one rank's share).
+        When the caller moves on from a shard, every shard that no later shard reads is
+        closed and handed to ``files.release`` (a Hub source deletes it), so only the current
+        shard and its cross-shard partners stay on disk. ``files.finish()`` runs after the
+        last shard."""
+        order = self.shards if shards is None else [s for s in self.shards if s in set(shards)]
+        reads = {s: self.reads_of(s) for s in order}
+        for i, shard in enumerate(order):
+            yield shard
+            later = set().union(*(reads[s] for s in order[i + 1:]))
+            for s in order:
+                if s not in later:
+                    self._reader.drop(s)
+                    self.files.release(s)
+        self.files.finish()
+
     # ---- reads -----------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
         """Read a logical tensor. FP8 weights come back dequantized as float32 [N, K];
         everything else exactly as stored (dtype and bits unchanged).
 
         Raises:
-            SourceError: naming the tensor and shard when the bytes cannot be read.
+            SourceError: naming the tensor and shard when the bytes cannot be read, or when
+                the source is a header-only descriptor.
         """
+        self._require_data(name)
         t = self.tensors[name]
         raw = self._reader.get(t.shard, name)
         if t.scale is None:
@@ -182,6 +262,7 @@ class Source:
         t = self.tensors[name]
         if t.scale is None:
             return None
+        self._require_data(name)
         raw = self._reader.get(t.shard, name)
         scale = self._reader.get(t.scale.shard, t.scale.name)
         n, k = raw.shape
@@ -194,12 +275,20 @@ class Source:
         return raw, scale.reshape(n, 1), (1, k)
 
     def prefetch(self, shard: str) -> None:
-        """Start reading ``shard`` from disk in the background (see ``ShardReader.prefetch``)."""
-        self._reader.prefetch(shard)
+        """Start reading ``shard`` from disk in the background when it is already on disk
+        (``formats.shards.prefetch_file``); never fetches it."""
+        prefetch_file(self.files.folder / shard)
 
     def read_raw(self, name: str) -> torch.Tensor:
         """Read any stored tensor (weights or scale sidecars) exactly as stored."""
+        self._require_data(name)
         return self._reader.get(self.infos[name].shard, name)
+
+    def _require_data(self, name: str) -> None:
+        if not self.has_data:
+            raise SourceError(f"cannot read {name}: {self.folder.name} is a header-only descriptor "
+                              "(no tensor data); it can be planned (recipe show, plan) but not "
+                              "converted", tensor=name, shard=self.folder.name)
 
     def close(self) -> None:
         self._reader.close()
@@ -208,6 +297,9 @@ class Source:
 def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]:
     if not qc:
         return SourceKind.DENSE, None
+    if not isinstance(qc, dict):
+        raise SourceError("config.json quantization_config must be an object",
+                          key="quantization_config")
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -237,9 +329,17 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
         a = args[0]
         strategy = a.get("strategy")
         if strategy == "block":
-            return SourceKind.CT_FP8, _Fp8Layout("_scale", block=tuple(a["block_structure"]))
+            block = a.get("block_structure")
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise SourceError(f"FP8 block strategy needs block_structure [rows, cols], got {block!r}",
+                                  key="quantization_config.config_groups.weights.block_structure")
+            return SourceKind.CT_FP8, _Fp8Layout("_scale", block=tuple(block))
         if strategy == "group":
-            return SourceKind.CT_FP8, _Fp8Layout("_scale", group=int(a["group_size"]))
+            group = a.get("group_size")
+            if not (isinstance(group, int) and group > 0):
+                raise SourceError(f"FP8 group strategy needs a positive group_size, got {group!r}",
+                                  key="quantization_config.config_groups.weights.group_size")
+            return SourceKind.CT_FP8, _Fp8Layout("_scale", group=group)
         if strategy in ("tensor", "channel"):
             return SourceKind.CT_FP8, _Fp8Layout("_scale")
         raise SourceError(f"FP8 strategy {strategy!r} is not supported",
@@ -248,16 +348,45 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
                       "float-quantized, or unquantized)", key="quantization_config.quant_method")
 
 
-def open_source(folder: str | Path) -> Source:
-    """Open and validate a source folder: config, index, every shard header, FP8 pairs.
+def _open_descriptor(path: Path) -> Source:
+    """A header-only descriptor file as a Source without data (every tensor's shard is the
+    descriptor's file name)."""
+    try:
+        data = json.loads(path.read_text())
+        config, tensors = data["config"], data["tensors"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SourceError(f"{path.name} is not a descriptor "
+                          f'{{"config": {{...}}, "tensors": {{...}}}}: {e}', key=path.name) from None
+    infos = {}
+    for name, spec in tensors.items():
+        try:
+            info = TensorInfo(name, path.name, spec["dtype"], tuple(int(d) for d in spec["shape"]))
+            info.nbytes  # noqa: B018  (unknown dtype -> KeyError)
+        except (KeyError, TypeError, ValueError):
+            raise SourceError(f"{path.name}: tensor {name} needs a known dtype and an integer shape, "
+                              f"got {spec!r}", tensor=name, shard=path.name) from None
+        infos[name] = info
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc = config["text_config"].get("quantization_config")
+    kind, layout = _layout_from_config(qc)
+    return Source(path, config, kind, layout, {n: path.name for n in infos}, infos, has_data=False)
+
+
+def open_source(folder: str | Path, files: ShardFiles | None = None) -> Source:
+    """Open and validate a source folder (config, index, every shard header, FP8 pairs), or
+    a header-only descriptor ``*.json`` (see module docstring).
 
     Every check runs before any tensor data is read; all findings of one kind are reported
-    together.
+    together. ``files`` says where shards are and supplies their headers (default: all in
+    ``folder``; ``quantize.hub`` passes one backed by the Hub and its cache).
 
     Raises:
         SourceError: naming the file, key, shard or tensor at fault.
     """
     folder = Path(folder)
+    if folder.is_file() and folder.suffix == ".json":
+        return _open_descriptor(folder)
     if not folder.is_dir():
         raise SourceError(f"source folder {folder} does not exist")
     cfg_path = folder / "config.json"
@@ -267,10 +396,13 @@ def open_source(folder: str | Path) -> Source:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise SourceError(f"config.json is not valid JSON: {e}", key="config.json") from None
+    if not isinstance(config, dict):
+        raise SourceError("config.json must hold a JSON object", key="config.json")
     qc = config.get("quantization_config")
     if qc is None and isinstance(config.get("text_config"), dict):
         qc = config["text_config"].get("quantization_config")
     kind, layout = _layout_from_config(qc)
-    weight_map = load_index(folder)
-    infos = read_all_headers(folder, weight_map)
-    return Source(folder, config, kind, layout, weight_map, infos)
+    files = files or ShardFiles(folder)
+    weight_map = load_index(folder, check_files=files.check_on_open)
+    infos = read_all_headers(folder, weight_map, files.header)
+    return Source(folder, config, kind, layout, weight_map, infos, files=files)

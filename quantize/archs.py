@@ -1,24 +1,37 @@
 """Per-architecture knowledge: the only module that holds architecture module names.
 
-Two kinds of facts live here, as data rows:
+Facts live here as data rows, each with its source:
 
 - Fused groups: Linears that engines run as one GEMM and therefore load with one global
-  scale (and must share one precision). vLLM: ``qkv_proj = [q, k, v]``,
-  ``gate_up_proj = [gate, up]`` (dense, shared experts, each routed expert),
-  ``fused_qkv_a_proj = [q_a_proj, kv_a_proj_with_mqa]`` (DeepSeek / GLM MLA,
-  vllm/model_executor/models/deepseek_v2.py ``packed_modules_mapping``), Kimi-Linear / GLM-5.3
-  KDA ``in_proj_qkvgfab = [q, k, v, b, f_a]`` and GLM-5.3 ``wk_weights_proj = [wk,
-  weights_proj]`` (formats_spec.md A.3.4, B.3.3).
+  scale (and must share one precision). vLLM ``packed_modules_mapping``:
+  ``qkv_proj = [q, k, v]``, ``gate_up_proj = [gate, up]`` (dense, shared experts, each routed
+  expert), ``fused_qkv_a_proj = [q_a_proj, kv_a_proj_with_mqa]`` (DeepSeek / GLM MLA,
+  vllm/model_executor/models/deepseek_v2.py), GLM-5.3-Flash KDA
+  ``in_proj_qkvbfg_a = [q, k, v, b, f_a, g_a]`` and indexer ``wk_weights_proj = [wk,
+  weights_proj]`` (vLLM glm5next ``load_weights`` stacked_params_mapping / vllm#56327
+  ``Glm5NextForConditionalGeneration.packed_modules_mapping``; formats_spec.md A.3.4, B.3.3).
+- Roles: what a Linear is (routed expert, shared expert, dense MLP, MLA, KDA, indexer,
+  attention, vision), found from the module name *and the sibling modules present*, never
+  from a substring alone. Recipes may match ``role:<name>``.
 - Sensitive modules kept in high precision whatever the recipe: embeddings, lm_head and the
   MTP ``shared_head.head``, MoE routers (identified structurally, FC-16), the MTP ``eh_proj``
-  (vLLM builds it as a plain nn.Linear, formats_spec.md A.3.1), vision towers.
+  (vLLM builds it as a plain nn.Linear, formats_spec.md A.3.1), vision towers, and per
+  model_type the DSA indexer ``weights_proj`` (bf16 in the GLM-5 FP8 release; llm-compressor
+  glm5_example.py: "sensitive to quantization").
+- Release layouts: how the FP8 releases store each tensor on disk (for the fixture builder).
+- For the fit planner: which decoder layers cache what (``attention_layers``: MLA, GQA or KDA,
+  with or without a DSA indexer, from config keys) and which weights every TP rank holds whole
+  (``tp_replicated_role``, vLLM's replicated layers).
 """
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 
-__all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "fused_group_of", "sensitive_role",
-           "num_routed_experts", "mtp_layer_indices"]
+__all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "module_roles",
+           "sensitive_role", "num_routed_experts", "mtp_layer_indices", "text_config",
+           "tp_split", "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS",
+           "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +50,9 @@ def _rule(name: str, members: tuple[str, ...], scope: str) -> FusedGroupRule:
 
 FUSED_GROUP_RULES: tuple[FusedGroupRule, ...] = (
     _rule("qkv_proj", ("q_proj", "k_proj", "v_proj"), r".*\.(?:self_attn|attention|attn)"),
-    _rule("in_proj_qkvgfab", ("q_proj", "k_proj", "v_proj", "b_proj", "forget_gate.f_a_proj",
-                              "f_a_proj"), r".*\.(?:linear_attn|self_attn)"),
+    # KDA: the six input projections are one vLLM GEMM (f_a / g_a replicated across TP ranks).
+    _rule("in_proj_qkvbfg_a", ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj",
+                               "forget_gate.f_a_proj"), r".*\.(?:linear_attn|self_attn)"),
     _rule("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"), r".*\.self_attn"),
     _rule("wk_weights_proj", ("wk", "weights_proj"), r".*\.indexer"),
     _rule("gate_up_proj", ("gate_proj", "up_proj"),
@@ -46,17 +60,82 @@ FUSED_GROUP_RULES: tuple[FusedGroupRule, ...] = (
     _rule("w13", ("w1", "w3"), r".*\.experts\.\d+"),
 )
 
-_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|tok_embeddings|word_embeddings)$")
-_LM_HEAD = re.compile(r"(^|\.)(lm_head|shared_head\.head|output)$")
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|moe)\.(gate|router)$")
+_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|embed_in|wte|wpe|tok_embeddings|word_embeddings|"
+                        r"embed_positions|position_embeddings)$")
+_LM_HEAD = re.compile(r"(^|\.)(lm_head|embed_out|shared_head\.head|output)$")
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|moe|feed_forward)\.(gate|router)$")
+# Qwen2-MoE / Qwen3-Next shared-expert gate: [1, hidden], a scalar gate per token.
+_SHARED_EXPERT_GATE = re.compile(r"\.shared_expert_gate$")
 _EH_PROJ = re.compile(r"\.eh_proj$")
 _VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|mm_projector|multi_modal_projector)(\.|$)")
+
+# Per model_type: (pattern, role) of Linears that stay high precision in every recipe.
+_SENSITIVE_BY_MODEL_TYPE: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
+    mt: ((re.compile(r"\.indexer\.weights_proj$"), "indexer_weights_proj"),)
+    for mt in ("glm5_next", "glm5_next_text", "glm_moe_dsa", "deepseek_v32")
+}
+
+# ---- roles ---------------------------------------------------------------------------
+ROLES = ("routed_expert", "shared_expert", "dense_mlp", "mla", "kda", "indexer", "attention",
+         "vision", "mtp")
+"""Names a recipe may use as ``role:<name>``."""
+
+_ROUTED = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_SHARED = re.compile(r"\.shared_experts?\.(gate_proj|up_proj|down_proj)$")
+_DENSE = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)$")
+_INDEXER = re.compile(r"\.indexer\.[^.]+$")
+_ATTN = re.compile(r"^(?P<a>.*\.(?:self_attn|linear_attn|attention|attn))\.(?P<m>[a-z_]+(?:\.[a-z_]+)?)$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Attention blocks are told apart by the projections they own (vLLM model classes):
+# MLA owns kv_a_proj_with_mqa; KDA owns b_proj / f_a_proj (Kimi Linear, GLM-5.3-Flash).
+_MLA_MARK = ("kv_a_proj_with_mqa",)
+_KDA_MARK = ("b_proj", "f_a_proj", "forget_gate.f_a_proj")
+
+
+def text_config(config: dict) -> dict:
+    """The text-model part of a config (``text_config`` of multimodal wrappers, else itself)."""
+    tc = config.get("text_config")
+    return tc if isinstance(tc, dict) else config
+
+
+def module_roles(module: str, modules: set[str], config: dict | None = None) -> frozenset[str]:
+    """Roles of a Linear module, from its name and the set of module names present.
+
+    ``mtp`` is added for modules of an MTP layer (index from config, never a constant).
+    Returns an empty set for modules with no role (e.g. routers, which are sensitive).
+    """
+    roles = set()
+    if _VISION.search(module):
+        return frozenset({"vision"})
+    if _ROUTED.search(module):
+        roles.add("routed_expert")
+    elif _SHARED.search(module):
+        roles.add("shared_expert")
+    elif _DENSE.search(module):
+        roles.add("dense_mlp")
+    elif _INDEXER.search(module):
+        roles.add("indexer")
+    else:
+        m = _ATTN.match(module)
+        if m:
+            a = m["a"]
+            if any(f"{a}.{x}" in modules for x in _KDA_MARK):
+                roles.add("kda")
+            elif any(f"{a}.{x}" in modules for x in _MLA_MARK):
+                roles.add("mla")
+            else:
+                roles.add("attention")
+    if config is not None:
+        lm = _LAYER.search(module)
+        if lm and int(lm.group(1)) in mtp_layer_indices(config):
+            roles.add("mtp")
+    return frozenset(roles)
 
 
 def num_routed_experts(config: dict) -> int | None:
     """Routed-expert count from the text config (``n_routed_experts``, ``num_experts`` or
     ``num_local_experts``), or None for dense models."""
-    cfg = config.get("text_config") or config
+    cfg = text_config(config)
     for key in ("n_routed_experts", "num_experts", "num_local_experts"):
         if isinstance(cfg.get(key), int):
             return cfg[key]
@@ -65,17 +144,18 @@ def num_routed_experts(config: dict) -> int | None:
 
 def mtp_layer_indices(config: dict) -> list[int]:
     """Decoder-layer indices of MTP / NextN layers: ``num_hidden_layers + k`` for
-    ``k < num_nextn_predict_layers`` (DeepSeek-V3 README_WEIGHTS.md; never a constant)."""
-    cfg = config.get("text_config") or config
+    ``k < num_nextn_predict_layers`` (``num_mtp_layers`` in transformers' DeepseekV3Config)
+    (DeepSeek-V3 README_WEIGHTS.md; never a constant)."""
+    cfg = text_config(config)
     n = cfg.get("num_hidden_layers")
-    k = cfg.get("num_nextn_predict_layers") or 0
+    k = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0
     return list(range(n, n + k)) if isinstance(n, int) else []
 
 
 def fused_group_of(module: str, present: set[str]) -> tuple[str, tuple[str, ...]] | None:
     """The fused group ``module`` belongs to, as ``(group id, member module names present)``.
 
-    When several rules match (GQA q/k/v vs KDA q/k/v/b/f_a) the one with the most members
+    When several rules match (GQA q/k/v vs KDA q/k/v/b/f_a/g_a) the one with the most members
     present wins; a group with a single member present is no group (returns None).
     """
     best = None
@@ -97,8 +177,12 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
     ``e_score_correction_bias``; the substring "gate" alone never decides (``gate_proj`` is
     an ordinary Linear).
 
+    A router is also recognised when its MoE block has ``experts.*`` siblings, for configs
+    that do not state the expert count.
+
     Returns:
-        one of ``embedding``, ``lm_head``, ``router``, ``mtp_eh_proj``, ``vision``, or None.
+        one of ``embedding``, ``lm_head``, ``router``, ``mtp_eh_proj``, ``vision``,
+        ``indexer_weights_proj`` (per model_type), or None.
     """
     if _EMBEDDING.search(module):
         return "embedding"
@@ -108,8 +192,224 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
         return "vision"
     if _EH_PROJ.search(module):
         return "mtp_eh_proj"
+    if _SHARED_EXPERT_GATE.search(module):
+        return "router"
     if _ROUTER.search(module):
         n_exp = num_routed_experts(config)
-        if (n_exp is not None and shape[0] == n_exp) or f"{module}.e_score_correction_bias" in siblings:
+        block = module.rsplit(".", 1)[0]
+        if ((n_exp is not None and shape[0] == n_exp)
+                or f"{module}.e_score_correction_bias" in siblings
+                or (n_exp is None and any(n.startswith(f"{block}.experts.") for n in siblings))):
             return "router"
+    for pattern, role in _SENSITIVE_BY_MODEL_TYPE.get(config.get("model_type", ""), ()):
+        if pattern.search(module):
+            return role
     return None
+
+
+# ---- tensor parallelism ----------------------------------------------------------------
+# How engines shard each Linear under TP (vLLM model files): RowParallelLinear splits K,
+# ColumnParallel / MergedColumnParallel split N, ReplicatedLinear splits nothing.
+_ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj|w2|out_proj)$")
+_REPLICATED = re.compile(
+    r"(\.(q_a_proj|kv_a_proj_with_mqa|f_a_proj|g_a_proj|eh_proj)$)"  # DeepSeek MLA / KDA (vllm#56327)
+    r"|(\.indexer\.[^.]+$)"  # DSA indexer runs replicated (vLLM deepseek_v2.py Indexer)
+    r"|(\.(mlp|block_sparse_moe|moe)\.(gate|router)$)")
+
+
+def tp_split(module: str) -> str:
+    """``row`` (K split), ``column`` (N split) or ``replicated`` under tensor parallelism."""
+    if _REPLICATED.search(module) or _VISION.search(module):
+        return "replicated"
+    if _ROW_PARALLEL.search(module):
+        return "row"
+    return "column"
+
+
+# ---- release layouts (fixture builder) --------------------------------------------------
+@dataclass(frozen=True)
+class ReleaseLayout:
+    """How an FP8 release stores its tensors, per model_type.
+
+    Every 2-D ``.weight`` of an ``nn.Linear`` (and every per-expert weight) is block FP8
+    (F8_E4M3 + F32 ``weight_scale_inv`` [ceil(N/128), ceil(K/128)]) unless ``bf16_linears``
+    matches; tensors matching ``f32`` are float32; everything else bfloat16.
+
+    ``mtp_layer_kind``: config list entries appended for the MTP layer (it is a full
+    attention + MoE decoder layer, DeepSeek-V3 README_WEIGHTS.md).
+    """
+
+    model_type: str
+    hf_class: str
+    bf16_linears: tuple[str, ...]
+    f32: tuple[str, ...]
+    mtp_layer_kind: dict
+
+
+_COMMON_BF16_LINEARS = (r"(^|\.)lm_head\.weight$", r"\.indexer\.weights_proj\.weight$",
+                        r"\.eh_proj\.weight$", r"\.shared_head\.head\.weight$",
+                        r"(^|\.)(visual|vision_tower)\.")
+
+RELEASE_LAYOUTS: dict[str, ReleaseLayout] = {
+    # DeepSeek-V3 FP8 release: router bf16, e_score_correction_bias f32
+    # (DeepSeek-V3 README_WEIGHTS.md, inference/model.py Gate).
+    "deepseek_v3": ReleaseLayout("deepseek_v3", "DeepseekV3ForCausalLM", _COMMON_BF16_LINEARS,
+                                 (r"\.e_score_correction_bias$",), {}),
+    # GLM-5 FP8 release: DeepSeek-style block FP8; indexer weights_proj bf16 without
+    # weight_scale_inv (transformers models/glm_moe_dsa/modular_glm_moe_dsa.py).
+    "glm_moe_dsa": ReleaseLayout("glm_moe_dsa", "GlmMoeDsaForCausalLM", _COMMON_BF16_LINEARS,
+                                 (r"\.e_score_correction_bias$",),
+                                 {"mlp_layer_types": "sparse", "layer_types": "indexed_attention",
+                                  "indexer_types": "full"}),
+    # GLM-5.3-Flash: on-disk names = transformers 5.24 reverse conversion mapping
+    # (conversion_mapping.py "glm5_next": f_a_proj/f_b_proj/dt_bias/A_log at self_attn level,
+    # hc_{attn,ffn}_{fn,base,scale}, q/k/v_conv1d, per-expert 2-D experts). Float32 on disk:
+    # the class's _keep_in_fp32_modules_strict minus the router weight [UNCONFIRMED: the
+    # release's exact dtypes are not public; routers follow the DeepSeek/GLM-5 releases].
+    "glm5_next": ReleaseLayout("glm5_next", "Glm5NextForConditionalGeneration", _COMMON_BF16_LINEARS,
+                               (r"\.e_score_correction_bias$", r"_conv1d\.weight$", r"\.dt_bias$",
+                                r"\.A_log$", r"\.hc_(attn|ffn)_(base|scale)$"),
+                               {"mlp_layer_types": "sparse", "layer_types": "indexed_attention",
+                                "indexer_types": "full"}),
+}
+
+MTP_EXTRA_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                     "shared_head.head.weight", "embed_tokens.weight")
+"""Tensors an MTP layer holds besides a full decoder layer (DeepSeek-V3 README_WEIGHTS.md;
+GLM-4.x NextN, llama.cpp PR #14939). Shapes: norms [H], eh_proj [H, 2H], head/embed [V, H]."""
+
+
+def release_storage(layout: ReleaseLayout, name: str, shape: tuple[int, ...],
+                    is_linear: bool) -> str:
+    """On-disk storage of one tensor in an FP8 release: ``fp8`` (F8_E4M3 + weight_scale_inv),
+    ``F32`` or ``BF16``."""
+    if is_linear and len(shape) == 2 and name.endswith(".weight") and not any(
+            re.search(p, name) for p in layout.bf16_linears):
+        return "fp8"
+    if any(re.search(p, name) for p in layout.f32):
+        return "F32"
+    return "BF16"
+
+
+# ---- Attention layout and TP sharding (the fit planner, ``quantize.fit``) -------------------
+
+class AttnKind(str, Enum):
+    """How a decoder layer keeps its past: a per-token record (MLA latent, GQA K/V) or a fixed
+    per-sequence state (KDA)."""
+
+    MLA = "mla"
+    GQA = "gqa"
+    KDA = "kda"
+
+
+@dataclass(frozen=True)
+class AttnLayer:
+    """One decoder layer's cache: its kind, whether it runs its own DSA indexer (and so caches
+    indexer keys), and whether it is an MTP / NextN layer."""
+
+    index: int
+    kind: AttnKind
+    indexer: bool = False
+    mtp: bool = False
+
+
+_LINEAR_ATTN_TYPES = {"linear_attention"}
+
+
+def decoder_layer_of(name: str) -> int | None:
+    """Decoder-layer index of a tensor name (``model.layers.45.mlp...`` -> 45), else None.
+    Vision-tower blocks are not decoder layers (None)."""
+    if _VISION.search(name):
+        return None
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _kda_flags(cfg: dict) -> list[bool]:
+    n = cfg["num_hidden_layers"]
+    if isinstance(cfg.get("layer_types"), list):
+        return [t in _LINEAR_ATTN_TYPES for t in cfg["layer_types"]]
+    lac = cfg.get("linear_attn_config")
+    if isinstance(lac, dict) and isinstance(lac.get("kda_layers"), list):
+        kda = set(lac["kda_layers"])  # 1-indexed [HF kimi_linear configuration]
+        return [i + 1 in kda for i in range(n)]
+    if cfg.get("model_type") in ("glm5_next", "glm5_next_text"):
+        # transformers Glm5NextTextConfig.__post_init__: every fourth layer is MLA + DSA.
+        return [i % 4 != 3 for i in range(n)]
+    return [False] * n
+
+
+def attention_layers(config: dict, mtp_layers: int = 0) -> list[AttnLayer]:
+    """The cache-holding layers of a text config, decoder layers first, then ``mtp_layers``
+    MTP / NextN layers (indices ``num_hidden_layers + k``).
+
+    Rules (config keys only, never shapes):
+
+    - KDA layers: ``layer_types == "linear_attention"`` (glm5_next, qwen3_next convention),
+      or ``linear_attn_config.kda_layers`` (kimi_linear, 1-indexed), or for ``glm5_next``
+      without ``layer_types`` the transformers default (layer i is KDA unless i % 4 == 3).
+    - Every other layer is MLA when the config has ``kv_lora_rank``, else GQA.
+    - A full-attention layer runs its own DSA indexer when the config has ``index_head_dim``
+      and ``indexer_types[i]`` is ``"full"`` (a ``"shared"`` layer reuses the previous
+      layer's top-k and has no indexer, HF ``modeling_glm5_next.py`` ``skip_topk``).
+    - An MTP layer is a full-attention decoder layer (a full DSA decoder layer in GLM-5.3-Flash,
+      with its own indexer when the model has one).
+
+    Raises:
+        ValueError: ``num_hidden_layers`` missing, or ``layer_types`` of the wrong length.
+    """
+    cfg = text_config(config)
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int):
+        raise ValueError("config has no integer num_hidden_layers")
+    kda = _kda_flags(cfg)
+    if len(kda) != n:
+        raise ValueError(f"config layer_types has {len(kda)} entries, num_hidden_layers is {n}")
+    full = AttnKind.MLA if cfg.get("kv_lora_rank") else AttnKind.GQA
+    has_indexer = bool(cfg.get("index_head_dim"))
+    itypes = cfg.get("indexer_types") if isinstance(cfg.get("indexer_types"), list) else None
+    out = []
+    for i in range(n + mtp_layers):
+        mtp = i >= n
+        if not mtp and kda[i]:
+            out.append(AttnLayer(i, AttnKind.KDA))
+            continue
+        runs_indexer = has_indexer and (mtp or itypes is None or itypes[i] == "full")
+        out.append(AttnLayer(i, full, runs_indexer, mtp))
+    return out
+
+
+# Names for what every TP rank holds whole (the decision is ``tp_split``): routers, the MLA
+# ``fused_qkv_a_proj`` (DeepSeekV2FusedQkvAProjLinear, disable_tp), the DSA indexer (``wq_b``
+# ReplicatedLinear, ``wk_weights_proj`` disable_tp, kpool parameters; vllm/models/glm5next/
+# nvidia/attention.py), the KDA ``f_a`` / ``g_a`` shards of ``in_proj_qkvbfg_a``
+# (replicated_shard_ids (4, 5), vllm/models/glm5next/common/kda.py), the MTP ``eh_proj``
+# (nn.Linear), vision towers (conservative: vLLM can run the encoder data-parallel,
+# ``mm_encoder_tp_mode="data"``). mHC mixing parameters (``hc_attn_fn`` ...) are plain
+# full-size parameters on every rank (vllm/models/glm5next/nvidia/model.py).
+_REPLICA_LABELS = (
+    ("indexer", re.compile(r"\.indexer(\.|$)")),
+    ("mla_a_proj", re.compile(r"\.(q_a_proj|kv_a_proj_with_mqa)$")),
+    ("kda_a_proj", re.compile(r"\.(f_a_proj|g_a_proj)$")),
+    ("mtp_eh_proj", _EH_PROJ),
+    ("router", _ROUTER),
+    ("vision", _VISION),
+)
+_MHC_PARAM = re.compile(r"(^|\.)(attn_hc|ffn_hc|hc_head)\.|\.hc_(attn|ffn|head)_")
+
+
+def tp_replicated_role(name: str, shape: tuple[int, ...]) -> str | None:
+    """Why tensor ``name`` (a weight, or an output tensor such as ``x.weight_packed``) is held
+    whole by every TP rank, or None when ``tp_split`` splits it across ranks. 0-D / 1-D
+    tensors (norms, biases, scalars, global scales, ``e_score_correction_bias``) and mHC
+    parameters are replicated; indexer parameters without a Linear (kpool) too."""
+    if len(shape) < 2:
+        return "vector"
+    if _MHC_PARAM.search(name):
+        return "mhc"
+    module = name.rsplit(".", 1)[0]
+    if module.endswith(".indexer"):
+        return "indexer"
+    if tp_split(module) != "replicated":
+        return None
+    return next((label for label, pat in _REPLICA_LABELS if pat.search(module)), "replicated")

@@ -24,3 +24,15 @@ class RecipeError(SparkQuantError, ValueError):
 
 class OutputError(SparkQuantError, OSError):
     """The output folder cannot be written (or resumed) safely."""
+
+
+class CheckFailed(SparkQuantError, ValueError):
+    """``quantize check`` found errors in a build (each finding names its tensor and rule)."""
+
+
+class GateFailed(SparkQuantError, ValueError):
+    """A build's eval gate is missing or failed, so it is not published."""
+
+
+class CardError(SparkQuantError, ValueError):
+    """The model card's metadata is invalid; ``key`` names the field."""

@@ -2,6 +2,12 @@
 
 Weights are random (normal, scaled like trained Linears), stored as DeepSeek-style block FP8
 (``weight`` F8_E4M3 + ``weight_scale_inv`` F32, block 128x128).
+
+- :func:`write_synthetic_fp8`: expert-only shards of any size (benchmarks).
+- :func:`write_release_fixture` / :func:`write_release_descriptor`: GLM-5.3-Flash
+  (``glm5_next``), GLM-5 (``glm_moe_dsa``) and DeepSeek-V3 releases with names and shapes from
+  the real transformers classes (tiny with data, or a header-only full-size descriptor).
+  What each release stores in FP8 / BF16 / F32 is the data row ``archs.RELEASE_LAYOUTS``.
 """
 
 import json
@@ -12,7 +18,8 @@ from safetensors.torch import save_file
 
 from quantize.kernels.fp8 import quantize_fp8_block
 
-__all__ = ["BLOCK_FP8_CONFIG", "write_synthetic_fp8"]
+__all__ = ["BLOCK_FP8_CONFIG", "write_synthetic_fp8", "RELEASE_MODEL_TYPES", "release_config",
+           "release_tensors", "write_release_fixture", "write_release_descriptor", "DESCRIPTOR_SUFFIX"]
 
 BLOCK_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
@@ -64,3 +71,213 @@ def write_synthetic_fp8(folder: Path, n_shards: int, experts_per_shard: int,
               "quantization_config": BLOCK_FP8_CONFIG}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+# ---- release-layout fixtures (GLM-5.3-Flash, GLM-5, DeepSeek-V3) -------------------------
+
+RELEASE_MODEL_TYPES = ("glm5_next", "glm_moe_dsa", "deepseek_v3")
+
+_TINY_TEXT = {
+    "glm5_next": dict(vocab_size=256, hidden_size=192, intermediate_size=256, moe_intermediate_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                      n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=64,
+                      qk_nope_head_dim=32, v_head_dim=32, index_topk=32, index_head_dim=32,
+                      index_n_heads=4, index_kpool=16, linear_head_dim=32, linear_num_heads=4,
+                      hc_mult=2, pad_token_id=0, max_position_embeddings=512,
+                      mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
+    "glm_moe_dsa": dict(vocab_size=256, hidden_size=192, intermediate_size=256,
+                        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                        kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                        v_head_dim=32, head_dim=16, index_topk=32, index_head_dim=32, index_n_heads=4,
+                        first_k_dense_replace=1, max_position_embeddings=512),
+    "deepseek_v3": dict(vocab_size=256, hidden_size=192, intermediate_size=256,
+                        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                        topk_group=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
+                        qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1,
+                        max_position_embeddings=512),
+}
+_TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=192,
+                    projection_intermediate_size=64, image_size=28)
+
+
+def release_config(model_type: str, size: str = "tiny") -> dict:
+    """``config.json`` of an FP8 release: the transformers config class's ``to_dict()``
+    (defaults for ``size="full"``, small dimensions for ``"tiny"``), one MTP layer
+    (``num_nextn_predict_layers: 1``) and the block-FP8 ``quantization_config``.
+
+    Raises:
+        ValueError: unknown model_type or size.
+    """
+    from transformers import AutoConfig
+
+    from quantize.archs import RELEASE_LAYOUTS
+
+    if model_type not in RELEASE_LAYOUTS:
+        raise ValueError(f"unknown model_type {model_type!r} (valid: {', '.join(RELEASE_MODEL_TYPES)})")
+    if size not in ("tiny", "full"):
+        raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
+    text = dict(_TINY_TEXT[model_type]) if size == "tiny" else {}
+    text["num_nextn_predict_layers"] = 1
+    if model_type == "glm5_next":
+        kwargs = {"text_config": text}
+        if size == "tiny":
+            kwargs["vision_config"] = dict(_TINY_VISION)
+    else:
+        kwargs = text
+    cfg = AutoConfig.for_model(model_type, **kwargs).to_dict()
+    cfg["architectures"] = [RELEASE_LAYOUTS[model_type].hf_class]
+    cfg["quantization_config"] = dict(BLOCK_FP8_CONFIG)
+    for k in ("transformers_version", "_name_or_path"):
+        cfg.pop(k, None)
+    return cfg
+
+
+def _mtp_extended(config: dict, layout) -> dict:
+    """Config with one more decoder layer, of the MTP layer's kind, for building its tensors."""
+    cfg = json.loads(json.dumps(config))
+    cfg.pop("quantization_config", None)
+    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    text["num_hidden_layers"] += 1
+    for key, value in layout.mtp_layer_kind.items():
+        if isinstance(text.get(key), list):
+            text[key] = text[key] + [value]
+    return cfg
+
+
+def _layers_prefix(model) -> str:
+    """``model.layers.`` or ``model.language_model.layers.``: where the decoder layers live."""
+    import torch.nn as nn
+
+    for name, mod in model.named_modules():
+        if name.endswith("layers") and isinstance(mod, nn.ModuleList) and "visual" not in name:
+            return name + "."
+    raise ValueError(f"{type(model).__name__} has no decoder layer list")
+
+
+def release_tensors(config: dict, *, with_data: bool, seed: int = 0) -> dict[str, tuple]:
+    """Every tensor of an FP8 release with ``config``, in its on-disk layout.
+
+    The real transformers class is instantiated (on the meta device unless ``with_data``,
+    then on CPU with its own seeded initialisation, float32), with one extra decoder layer
+    of the MTP kind. Its state dict is mapped to on-disk names by transformers' own reverse
+    conversion mapping (``core_model_loading.revert_weight_conversion``: per-expert 2-D
+    experts, GLM-5.3 ``f_a_proj`` / ``hc_attn_fn`` / ``q_conv1d`` names), the extra layer
+    becomes ``<layers>.{num_hidden_layers}`` plus :data:`archs.MTP_EXTRA_TENSORS`, and each
+    tensor gets the release's storage (:func:`archs.release_storage`).
+
+    Returns:
+        on-disk name -> ``(storage, shape, value)``: storage ``fp8`` / ``F32`` / ``BF16``,
+        value a float32 tensor (``with_data``) or None. FP8 entries stand for the weight;
+        its ``weight_scale_inv`` is implied.
+    """
+    import torch.nn as nn
+    import transformers
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from quantize.archs import MTP_EXTRA_TENSORS, RELEASE_LAYOUTS, release_storage, text_config
+
+    layout = RELEASE_LAYOUTS[config["model_type"]]
+    ext = _mtp_extended(config, layout)
+    hf_cfg = AutoConfig.for_model(**ext)
+    cls = getattr(transformers, layout.hf_class)
+    torch.manual_seed(seed)
+    if with_data:
+        model = cls(hf_cfg).eval()
+    else:
+        with torch.device("meta"):
+            model = cls(hf_cfg)
+    all_modules = {n: m for n, m in model.named_modules()}
+    linears = {n for n, m in all_modules.items() if isinstance(m, nn.Linear)}
+    prefix = _layers_prefix(model)
+    state = revert_weight_conversion(model, model.state_dict())
+    text = text_config(config)
+    n, hidden, vocab = text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]
+    g = torch.Generator().manual_seed(seed + 1)
+    out: dict[str, tuple] = {}
+    for name, t in state.items():
+        module = name.rsplit(".", 1)[0]
+        is_linear = module in linears or module not in all_modules
+        storage = release_storage(layout, name, tuple(t.shape), is_linear)
+        value = None
+        if with_data:
+            value = t.detach().to(torch.float32).contiguous()
+            if name.endswith("e_score_correction_bias"):  # init is zeros; make bits distinctive
+                value = torch.randn(t.shape, generator=g) * 0.1
+        out[name] = (storage, tuple(t.shape), value)
+    mtp = f"{prefix}{n}."
+    extra_shapes = {"enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+                    "eh_proj.weight": (hidden, 2 * hidden), "shared_head.norm.weight": (hidden,),
+                    "shared_head.head.weight": (vocab, hidden), "embed_tokens.weight": (vocab, hidden)}
+    for suffix in MTP_EXTRA_TENSORS:
+        shape = extra_shapes[suffix]
+        name = mtp + suffix
+        value = None
+        if with_data:
+            value = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.02
+        out[name] = (release_storage(layout, name, shape, suffix == "eh_proj.weight"), shape, value)
+    return out
+
+
+def _scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    bh, bw = BLOCK_FP8_CONFIG["weight_block_size"]
+    return (-(-shape[0] // bh), -(-shape[1] // bw))
+
+
+def write_release_fixture(folder: Path, model_type: str, seed: int = 0, n_shards: int = 3) -> Path:
+    """Write a tiny FP8 checkpoint in the exact on-disk layout of the ``model_type`` release
+    (see :func:`release_tensors`): shards (a weight and its scale may sit in different
+    shards), index from the written headers, ``config.json``. Takes seconds.
+
+    Returns:
+        the folder.
+    """
+    from formats.checkpoint import write_index, write_json_atomic
+    from formats.shards import write_shard_atomic
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = release_config(model_type, "tiny")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (storage, shape, value) in release_tensors(config, with_data=True, seed=seed).items():
+        if storage == "fp8":
+            q, s = quantize_fp8_block(value, tuple(BLOCK_FP8_CONFIG["weight_block_size"]))
+            tensors[name], tensors[name + "_scale_inv"] = q, s
+        else:
+            tensors[name] = value.to(torch.float32 if storage == "F32" else torch.bfloat16)
+    names = sorted(tensors)
+    shards = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+    for i, shard in enumerate(shards):
+        write_shard_atomic({n: tensors[n] for n in names[i::n_shards]}, folder / shard)
+    write_index(folder, shards)
+    write_json_atomic(config, folder / "config.json")
+    return folder
+
+
+DESCRIPTOR_SUFFIX = ".descriptor.json"
+
+
+def write_release_descriptor(path: Path, model_type: str, size: str = "full") -> Path:
+    """Write a header-only descriptor of an FP8 release (no tensor data):
+    ``{"config": {...}, "tensors": {name: {"dtype": "F8_E4M3", "shape": [N, K]}, ...}}``,
+    with every ``weight_scale_inv`` listed. ``formats.sources.open_source`` accepts it for
+    planning (``recipe show``, fit planning); reading data from it raises.
+
+    Returns:
+        the path written.
+    """
+    from formats.checkpoint import write_json_atomic
+
+    config = release_config(model_type, size)
+    tensors = {}
+    for name, (storage, shape, _) in release_tensors(config, with_data=False).items():
+        if storage == "fp8":
+            tensors[name] = {"dtype": "F8_E4M3", "shape": list(shape)}
+            tensors[name + "_scale_inv"] = {"dtype": "F32", "shape": list(_scale_shape(shape))}
+        else:
+            tensors[name] = {"dtype": storage, "shape": list(shape)}
+    path = Path(path)
+    write_json_atomic({"config": config, "tensors": dict(sorted(tensors.items()))}, path)
+    return path

@@ -5,10 +5,12 @@
   digests), the tool version, the recipe and its hash, and the conversion summary. It holds
   no timestamps, so an interrupted-then-resumed build is byte-identical to a clean one.
 - ``.spark-quant-progress.json`` is the ledger of finished output shards while a build runs:
-  the job fingerprint (options + source headers + decisions) and each shard's sha256. It is
-  removed when the build completes. When several ranks convert (quantize/parallel.py), each
-  keeps ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the number
-  of ranks then.
+  the job fingerprint (options + source headers + decisions) and each shard's sha256, plus the
+  amax of every tensor read so far (float32 as ``float.hex``, exact), so a resumed run gets a
+  fused group's shared global scale without re-reading (or re-downloading) finished shards.
+  It is removed when the build completes. When several ranks convert (quantize/parallel.py),
+  each keeps ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the
+  number of ranks then.
 """
 
 import hashlib
@@ -19,8 +21,8 @@ from formats.checkpoint import write_json_atomic
 from formats.shards import sha256_file
 from quantize.errors import OutputError
 
-__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "remove_ledgers",
-           "write_manifest"]
+__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "has_ledger",
+           "remove_ledgers", "write_manifest"]
 
 MANIFEST_NAME = "spark_quant_manifest.json"
 PROGRESS_NAME = ".spark-quant-progress.json"
@@ -37,41 +39,79 @@ def fingerprint(obj) -> str:
 
 
 class Ledger:
-    """Which output shards are finished, for ``--resume``."""
+    """Which output shards are finished, for ``--resume``.
+
+    Each entry records the output shard's sha256 and the (size, mtime_ns) of every source
+    shard it was computed from, so a re-downloaded or edited source shard is converted again.
+    """
 
     def __init__(self, out: Path, job: str, resume: bool, rank: int | None = None):
         name = PROGRESS_NAME if rank is None else f".spark-quant-progress.rank{rank}.json"
         self.path = Path(out) / name
         self.out = Path(out)
-        self.done: dict[str, str] = {}
+        self.done: dict[str, dict] = {}
+        self.amax: dict[str, dict] = {}  # source shard -> {"id": identity, "values": {name: hex}}
         if resume:
             for p in sorted(self.out.glob(_PROGRESS_GLOB)):
-                data = json.loads(p.read_text())
-                if data.get("job") != job:
+                try:
+                    data = json.loads(p.read_text())
+                    job_seen, done = data["job"], data["shards"]
+                    if not isinstance(done, dict):
+                        raise TypeError("shards is not an object")
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise OutputError(f"resume ledger {p} is corrupt ({e}); delete it to "
+                                      "start this build over", key=p.name) from None
+                if job_seen != job:
                     raise OutputError(
                         f"{out} holds a different build (options or source changed); use a new "
                         "--out or delete the folder", key=p.name)
-                self.done.update(data.get("shards", {}))
+                self.done.update(done)
+                self.amax.update(data.get("amax") or {})
         self.job = job
         self._save()
 
-    def is_done(self, shard: str) -> bool:
-        """True when ``shard`` was finished by an earlier run and its bytes still match."""
-        want = self.done.get(shard)
+    def is_done(self, shard: str, sources: dict[str, list[int]]) -> bool:
+        """True when ``shard`` was finished by an earlier run from the same source files
+        (size and mtime) and its bytes still match."""
+        entry = self.done.get(shard)
         p = self.out / shard
-        return want is not None and p.is_file() and sha256_file(p) == want
+        return (isinstance(entry, dict) and entry.get("sources") == sources and p.is_file()
+                and sha256_file(p) == entry.get("sha256"))
 
-    def mark(self, shard: str) -> str:
+    def known_amax(self, identity) -> dict[str, float]:
+        """Recorded amax values (exact float32) of tensors whose source shard still has the
+        identity it had when they were read (``identity(shard)``, e.g. ShardFiles.identity)."""
+        out = {}
+        for shard, entry in self.amax.items():
+            try:
+                same = entry.get("id") == identity(shard)
+            except OSError:  # a local source shard that is gone: its values are not trusted
+                same = False
+            if same:
+                out.update({n: float.fromhex(v) for n, v in entry.get("values", {}).items()})
+        return out
+
+    def mark(self, shard: str, sources: dict[str, list], amax: dict[str, dict] | None = None) -> str:
+        """Record ``shard`` finished (sha256, source identities) and the amaxes known so far
+        (``{source shard: {"id": identity, "values": {tensor: float}}}``)."""
         digest = sha256_file(self.out / shard)
-        self.done[shard] = digest
+        self.done[shard] = {"sha256": digest, "sources": sources}
+        for src, entry in (amax or {}).items():
+            self.amax[src] = {"id": entry["id"],
+                              "values": {n: float(v).hex() for n, v in sorted(entry["values"].items())}}
         self._save()
         return digest
 
     def _save(self) -> None:
-        write_json_atomic({"job": self.job, "shards": self.done}, self.path)
+        write_json_atomic({"job": self.job, "shards": self.done, "amax": self.amax}, self.path)
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def has_ledger(out: Path) -> bool:
+    """True when ``out`` holds the resume ledger of some rank."""
+    return any(Path(out).glob(_PROGRESS_GLOB))
 
 
 def remove_ledgers(out: Path) -> None:

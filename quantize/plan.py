@@ -1,36 +1,50 @@
-"""Decide what every source tensor becomes. Pure: reads only names, shapes and the config.
+"""Decide what every source tensor becomes, and predict the bytes written. Pure: reads only
+names, shapes, dtypes and the config.
 
-Order of precedence, one place: not a Linear weight -> kept; a sensitive module
-(``archs.sensitive_role``) -> kept; else the recipe's first matching rule; an NVFP4 target
-whose K is not a multiple of 16 -> kept (reported); finally a fused group in which any
-member is not NVFP4 is kept whole, so engines never see a half-quantized fused GEMM
-(vLLM "Detected some but not all shards of ... are quantized", formats_spec.md A.2.3).
+Order of precedence, one place:
+
+1. not a 2-D Linear weight -> kept as stored;
+2. a sensitive module (``archs.sensitive_role``) -> kept (FP8 -> bf16);
+3. the recipe's first matching rule (by name or ``role:``); a recipe that gives the members
+   of a fused group different targets is refused (:class:`RecipeError` naming the group);
+4. a target the per-TP-shard shape cannot carry on the engine (``formats.engines``
+   alignment rows: NVFP4 K % 16, SGLang MoE K % 256, MXFP8 K % 32, block-FP8 partitions
+   % 128) -> kept in high precision, with the reason;
+5. a fused group whose member was kept by 2 or 4 is kept whole, so engines never see a
+   half-quantized fused GEMM (vLLM "Detected some but not all shards of ... are
+   quantized", formats_spec.md A.2.3).
 """
 
 from dataclasses import dataclass
 
+import torch
+
+from formats import get_writer
+from formats.engines import align_violations
 from formats.sources import LogicalTensor, Source
 from quantize import archs
-from quantize.kernels.dtypes import NVFP4_GROUP_SIZE
+from quantize.errors import RecipeError
 from quantize.recipe import Recipe, Target
 
-__all__ = ["Decision", "plan_tensors", "module_of"]
+__all__ = ["Decision", "plan_tensors", "module_of", "dropped_tensors", "predict_outputs",
+           "predicted_bytes", "fp8_passthrough", "explain"]
 
 
 @dataclass(frozen=True)
 class Decision:
-    """Target of one logical tensor, why, and its fused group id (if any)."""
+    """Target of one logical tensor, why, its fused group id (if any) and its roles."""
 
     name: str
     target: Target
     reason: str
     group: str | None = None
     members: tuple[str, ...] = ()
+    roles: frozenset[str] = frozenset()
 
 
 def module_of(name: str) -> str | None:
     """Module name of a Linear-style weight (``x.y.weight`` -> ``x.y``), else None."""
-    return name[: -len(".weight")] if name.endswith(".weight") else None
+    return name[: -len(".weight")] if name.endswith(".weight") and len(name) > len(".weight") else None
 
 
 def _kept(t: LogicalTensor) -> Target:
@@ -38,41 +52,189 @@ def _kept(t: LogicalTensor) -> Target:
     return Target.BF16 if t.is_fp8 else Target.KEEP
 
 
-def plan_tensors(source: Source, recipe: Recipe) -> dict[str, Decision]:
+def _kind(target: Target) -> str:
+    """What an engine sees: the quantized format, or "unquantized" for bf16 / keep."""
+    return target.value if target.quantized else "unquantized"
+
+
+def dropped_tensors(source: Source) -> set[str]:
+    """Logical tensors not written: ``lm_head.weight`` when ``tie_word_embeddings`` is true and
+    it equals the embedding bit for bit (the loader ties the head to embed_tokens; FC-23).
+
+    A stored head that differs is what transformers uses (it declines to tie differing
+    tensors), so it is kept and the converter clears the tie flag. A header-only descriptor
+    has no data to compare: its head is taken as the duplicate.
+    """
+    if not tied_embeddings(source.config) or "lm_head.weight" not in source.tensors:
+        return set()
+    emb = next((n for n in source.tensors if n.endswith("embed_tokens.weight")), None)
+    if emb is None:
+        return set()
+    if not source.has_data:
+        return {"lm_head.weight"}
+    a, b = source.read("lm_head.weight"), source.read(emb)
+    same = (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8)))
+    return {"lm_head.weight"} if same else set()
+
+
+def tied_embeddings(config: dict) -> bool:
+    """``tie_word_embeddings`` from the top-level or text config."""
+    cfg = archs.text_config(config)
+    return bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
+
+
+def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "vllm") -> dict[str, Decision]:
     """Decide every logical tensor of ``source``.
+
+    Args:
+        tp: tensor-parallel size the build will be served with (per-shard alignment).
+        engine: whose alignment rules apply (``formats.engines.ENGINES``).
 
     Returns:
         logical tensor name -> Decision, for every tensor the source has.
+
+    Raises:
+        RecipeError: the recipe splits a fused group (names the group and each member's
+            target).
     """
     config = source.config
     names = set(source.tensors)
     modules = {m for n in names if (m := module_of(n)) is not None}
     out: dict[str, Decision] = {}
+    wanted: dict[str, Target] = {}  # what the recipe asked, before feasibility
     for t in source.tensors.values():
         mod = module_of(t.name)
-        if mod is None or len(t.shape) != 2:
+        if mod is None or len(t.shape) != 2 or 0 in t.shape:
             out[t.name] = Decision(t.name, _kept(t), "not a Linear weight")
             continue
-        role = archs.sensitive_role(mod, t.shape, config, names)
-        if role:
-            out[t.name] = Decision(t.name, _kept(t), f"sensitive: {role}")
-            continue
-        target = recipe.resolve(mod)
-        if target is Target.KEEP and t.is_fp8:
-            target = Target.BF16
-        reason = f"recipe {recipe.name}"
-        if target is Target.NVFP4 and t.shape[1] % NVFP4_GROUP_SIZE:
-            target, reason = _kept(t), f"K={t.shape[1]} is not a multiple of {NVFP4_GROUP_SIZE}"
         grp = archs.fused_group_of(mod, modules)
         gid, members = grp if grp else (None, ())
-        out[t.name] = Decision(t.name, target, reason, gid, members)
-    # A fused group is quantized whole or not at all.
-    for d in list(out.values()):
-        if d.group is None or d.target is not Target.NVFP4:
+        roles = archs.module_roles(mod, modules, config)
+        role = archs.sensitive_role(mod, t.shape, config, names)
+        if role:
+            out[t.name] = Decision(t.name, _kept(t), f"sensitive: {role}", gid, members, roles)
             continue
-        odd = [m for m in d.members if out[m + ".weight"].target is not Target.NVFP4]
+        target = recipe.resolve(mod, roles)
+        if target is Target.KEEP and t.is_fp8:
+            target = Target.BF16
+        wanted[t.name] = target
+        reason = f"recipe {recipe.name}"
+        if target.quantized:
+            bad = align_violations(engine, target.value, t.shape, archs.tp_split(mod), tp,
+                                   "routed_expert" in roles)
+            if bad:
+                target, reason = _kept(t), bad[0]
+        out[t.name] = Decision(t.name, target, reason, gid, members, roles)
+    _refuse_split_groups(out, wanted, recipe)
+    # A fused group is quantized whole (one format) or not at all.
+    for d in list(out.values()):
+        if d.group is None or not d.target.quantized:
+            continue
+        odd = [m for m in d.members if out[m + ".weight"].target is not d.target]
         if odd:
-            t = source.tensors[d.name]
-            out[d.name] = Decision(d.name, _kept(t),
-                                   f"fused group {d.group}: {odd[0]} is not NVFP4", d.group, d.members)
+            why = out[odd[0] + ".weight"].reason
+            out[d.name] = Decision(d.name, _kept(source.tensors[d.name]),
+                                   f"fused group {d.group}: {odd[0]} is not {d.target.value} ({why})",
+                                   d.group, d.members, d.roles)
     return out
+
+
+def _refuse_split_groups(out: dict[str, Decision], wanted: dict[str, Target], recipe: Recipe) -> None:
+    seen = set()
+    for d in out.values():
+        if d.group is None or d.group in seen:
+            continue
+        seen.add(d.group)
+        asked = {m: wanted[m + ".weight"] for m in d.members if m + ".weight" in wanted}
+        if len({_kind(t) for t in asked.values()}) > 1:
+            detail = ", ".join(f"{m.rsplit('.', 1)[-1]} -> {t.value}" for m, t in asked.items())
+            raise RecipeError(f"recipe {recipe.name} splits fused group {d.group} ({detail}); engines "
+                              "run these as one GEMM, so give every member the same target",
+                              key=d.group)
+
+
+def fp8_passthrough(source: Source, name: str):
+    """The scale sidecar (``TensorInfo``) when ``name`` is stored as 128x128 block FP8 whose
+    bytes can pass through to an ``fp8-block`` target untouched, else None."""
+    t = source.tensors[name]
+    if t.is_fp8 and source.layout is not None and source.layout.block == (128, 128):
+        return t.scale
+    return None
+
+
+def predict_outputs(source: Source, decisions: dict[str, Decision], fmt: str) -> dict[str, dict]:
+    """Output tensors of every logical tensor, from headers only.
+
+    Returns:
+        logical name -> {output tensor name: (safetensors dtype, shape)}; dropped tensors
+        (:func:`dropped_tensors`) map to {}. The converter writes exactly these (it checks).
+    """
+    writer = get_writer(fmt)
+    dropped = dropped_tensors(source)
+    out = {}
+    for name, d in decisions.items():
+        t = source.tensors[name]
+        if name in dropped:
+            out[name] = {}
+            continue
+        if d.target is Target.KEEP:
+            out[name] = {name: (t.dtype, t.shape)}
+        elif d.target is Target.BF16:
+            out[name] = {name: ("BF16", t.shape)}
+        else:
+            scale = fp8_passthrough(source, name) if d.target is Target.FP8_BLOCK else None
+            out[name] = writer.output_specs(module_of(name), d.target.value, t.shape,
+                                            scale.dtype if scale is not None else "F32")
+    return out
+
+
+def predicted_bytes(source: Source, decisions: dict[str, Decision], fmt: str) -> dict[str, int]:
+    """Bytes the build will hold for each logical tensor (all its output tensors), from
+    headers only; the sum equals the build's ``metadata.total_size`` to the byte."""
+    from formats.shards import DTYPE_BYTES
+
+    def nbytes(dtype, shape):
+        n = DTYPE_BYTES[dtype]
+        for s in shape:
+            n *= s
+        return n
+
+    return {name: sum(nbytes(dt, sh) for dt, sh in outs.values())
+            for name, outs in predict_outputs(source, decisions, fmt).items()}
+
+
+def explain(source: Source, recipe: Recipe, fmt: str = "compressed-tensors", *, tp: int = 1,
+            engine: str = "vllm", summary_only: bool = False) -> str:
+    """The table behind ``quantize recipe show``: every tensor's target, reason and predicted
+    output bytes, then totals per target and the resulting build size (tensor bytes, the
+    ``metadata.total_size`` the build will have).
+
+    Raises:
+        RecipeError: from :func:`plan_tensors`.
+    """
+    decisions = plan_tensors(source, recipe, tp=tp, engine=engine)
+    sizes = predicted_bytes(source, decisions, fmt)
+    lines = []
+    if not summary_only:
+        lines.append(f"{'tensor':<72} {'source':<22} {'target':<10} {'bytes':>14}  reason")
+        for name in sorted(decisions):
+            t, d = source.tensors[name], decisions[name]
+            src = f"{'fp8' if t.is_fp8 else t.dtype.lower()} {'x'.join(map(str, t.shape))}"
+            lines.append(f"{name:<72} {src:<22} {d.target.value:<10} {sizes[name]:>14,}  {d.reason}")
+    bytes_in = sum(i.nbytes for i in source.infos.values())
+    by_target: dict[str, list[int]] = {}
+    for name, d in decisions.items():
+        agg = by_target.setdefault(d.target.value, [0, 0, 0])
+        agg[0] += 1
+        agg[1] += source.tensors[name].numel
+        agg[2] += sizes[name]
+    total = sum(sizes.values())
+    lines.append(f"recipe {recipe.name}, format {fmt}, engine {engine}, TP {tp}: "
+                 f"{len(decisions)} tensors from {source.folder.name}")
+    for target, (count, numel, nbytes) in sorted(by_target.items()):
+        lines.append(f"  {target:<10} {count:>7} tensors {numel / 1e9:>9.3f} G params "
+                     f"{nbytes / 2**30:>10.2f} GiB")
+    lines.append(f"  source {bytes_in:,} bytes ({bytes_in / 2**30:.2f} GiB) -> build {total:,} bytes "
+                 f"({total / 2**30:.2f} GiB, {total / 1e9:.1f} GB)")
+    return "\n".join(lines)

@@ -1,8 +1,11 @@
 """Recipes: ordered first-match rules, module name -> target. Data, not code.
 
-A rule's ``match`` is an exact module name or a regex prefixed ``re:`` matched with
+A rule's ``match`` is an exact module name, a regex prefixed ``re:`` matched with
 ``re.match`` (anchored at the start), the convention of compressed-tensors ``targets`` /
-``ignore`` (compressed_tensors/utils/match.py). Presets ship as TOML in ``quantize/recipes``.
+``ignore`` (compressed_tensors/utils/match.py), or ``role:<name>`` for a role from
+``quantize.archs.ROLES`` (``role:kda`` covers every Linear of a KDA block whatever its
+name), so presets stay free of architecture names. Presets ship as TOML in
+``quantize/recipes``.
 """
 
 import hashlib
@@ -13,6 +16,7 @@ from enum import Enum
 from importlib import resources
 from pathlib import Path
 
+from quantize.archs import ROLES
 from quantize.errors import RecipeError
 
 __all__ = ["Target", "Rule", "Recipe", "load_recipe", "preset_names"]
@@ -21,9 +25,16 @@ __all__ = ["Target", "Rule", "Recipe", "load_recipe", "preset_names"]
 class Target(str, Enum):
     """What a tensor becomes. Values are the names used in recipe files."""
 
-    NVFP4 = "nvfp4"  # packed e2m1 + e4m3 block scales + fp32 global scale
+    NVFP4 = "nvfp4"  # packed e2m1 + e4m3 block scales [N, K/16] + fp32 global scale
+    FP8_BLOCK = "fp8-block"  # e4m3 + fp32 128x128 block scale; FP8-block sources pass through
+    MXFP8 = "mxfp8"  # e4m3 + e8m0 scale per 32 along K
     BF16 = "bf16"  # dequantized / cast to bfloat16, listed as ignored
     KEEP = "keep"  # bytes exactly as in the source (FP8 sources: dequantized to bf16)
+
+    @property
+    def quantized(self) -> bool:
+        """True for targets written in a quantized layout (not in ``ignore``)."""
+        return self in (Target.NVFP4, Target.FP8_BLOCK, Target.MXFP8)
 
 
 @dataclass(frozen=True)
@@ -34,13 +45,19 @@ class Rule:
     target: Target
 
     def __post_init__(self):
+        if self.match.startswith("role:") and self.match[5:] not in ROLES:
+            raise RecipeError(f"rule {self.match!r}: unknown role (valid: {', '.join(ROLES)})",
+                              key=self.match)
         if self.match.startswith("re:"):
             try:
                 re.compile(self.match[3:])
             except re.error as e:
-                raise RecipeError(f"rule {self.match!r}: bad regex ({e})", key=self.match) from None
+                raise RecipeError(f"recipe rule match {self.match!r} is not a valid regex ({e})",
+                                  key=self.match) from None
 
-    def matches(self, module: str) -> bool:
+    def matches(self, module: str, roles: frozenset[str] = frozenset()) -> bool:
+        if self.match.startswith("role:"):
+            return self.match[5:] in roles
         if self.match.startswith("re:"):
             return re.match(self.match[3:], module) is not None
         return module == self.match
@@ -56,9 +73,10 @@ class Recipe:
     description: str = ""
     sha256: str = ""
 
-    def resolve(self, module: str) -> Target:
+    def resolve(self, module: str, roles: frozenset[str] = frozenset()) -> Target:
+        """Target of ``module`` (with its ``archs.module_roles``): first matching rule, else keep."""
         for rule in self.rules:
-            if rule.matches(module):
+            if rule.matches(module, roles):
                 return rule.target
         return Target.KEEP
 
@@ -90,13 +108,13 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         raise RecipeError(f"recipe {name_or_path}: {e}", key=str(name_or_path)) from None
     rules = []
     for i, r in enumerate(data.get("rule", [])):
-        try:
-            rules.append(Rule(str(r["match"]), Target(r["target"])))
-        except KeyError as e:
-            raise RecipeError(f"recipe {name_or_path}: rule {i} lacks {e}", key=f"rule[{i}]") from None
-        except ValueError:
+        if not isinstance(r, dict) or "match" not in r or "target" not in r:
+            raise RecipeError(f"recipe {name_or_path}: rule {i} needs 'match' and 'target'",
+                              key=f"rule[{i}]")
+        if r["target"] not in {t.value for t in Target}:
             raise RecipeError(f"recipe {name_or_path}: rule {i} has unknown target "
-                              f"{r.get('target')!r} (valid: {', '.join(t.value for t in Target)})",
-                              key=f"rule[{i}].target") from None
+                              f"{r['target']!r} (valid: {', '.join(t.value for t in Target)})",
+                              key=f"rule[{i}].target")
+        rules.append(Rule(str(r["match"]), Target(r["target"])))
     return Recipe(str(data.get("name", p.stem)), tuple(rules), str(data.get("description", "")),
                   hashlib.sha256(text.encode()).hexdigest())

@@ -58,6 +58,17 @@ def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], config: dic
     return folder
 
 
+def load_all(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder, found through its index."""
+    from safetensors import safe_open
+
+    out = {}
+    for name, shard in json.loads((Path(folder) / "model.safetensors.index.json").read_text())["weight_map"].items():
+        with safe_open(str(Path(folder) / shard), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
 def fp8_pair(name: str, w: torch.Tensor, block=(128, 128)) -> dict[str, torch.Tensor]:
     """``{name.weight: fp8, name.weight_scale_inv: f32}`` for a float weight."""
     q, s = quantize_fp8_block(w, block)
@@ -109,3 +120,11 @@ def demo_build(demo_src, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "nvfp4"
     convert(demo_src, out, progress=False, device="cpu")
     return out
+
+
+@pytest.fixture(scope="session")
+def glm5_next_src(tmp_path_factory) -> Path:
+    """Tiny GLM-5.3-Flash (``glm5_next``) FP8 release fixture, built once per session."""
+    from quantize.fixtures import write_release_fixture
+
+    return write_release_fixture(tmp_path_factory.mktemp("glm5_next") / "src", "glm5_next")

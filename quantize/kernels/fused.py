@@ -16,7 +16,8 @@ operation in the same order, or an exact rewrite of one):
 - e4m3 bytes decode exactly by bit manipulation (:func:`decode_e4m3`).
 - Block amax: rounding is monotonic, so ``max_i |fl(x_i * s)| = fl(max_i |x_i| * |s|)``;
   the fast path reduces the decoded magnitudes and multiplies once per block.
-- Block scales come from the reference's own :func:`nvfp4_block_scale`, with 6 passed as a
+- Block scales come from the reference's own :func:`nvfp4_block_scale` (compressed-tensors
+  order) or :func:`nvfp4_block_scale_scale2` (nvidia-modelopt order), with 6 passed as a
   tensor so no compiler rewrites ``/ 6`` as ``* (1/6)``.
 - Codes: :func:`e2m1_codes` rounds ``|q| * 2^k`` half-to-even inside each binade, which is the
   reference's threshold table (ties to the even code) written with three comparisons instead of
@@ -38,12 +39,16 @@ import torch
 
 from quantize.kernels.dtypes import NVFP4_GROUP_SIZE
 from quantize.kernels.fp8 import dequantize_fp8_block
-from quantize.kernels.nvfp4 import nvfp4_block_scale, quantize_nvfp4
+from quantize.kernels.nvfp4 import (nvfp4_block_scale, nvfp4_block_scale_scale2, quantize_nvfp4,
+                                    quantize_nvfp4_scale2)
 
-__all__ = ["BACKENDS", "MIN_COMPILED_ELEMENTS", "Prepared", "choose_backend", "decode_e4m3",
-           "e2m1_codes", "prepare_float", "prepare_fp8"]
+__all__ = ["BACKENDS", "MIN_COMPILED_ELEMENTS", "ORDERS", "Prepared", "choose_backend",
+           "decode_e4m3", "e2m1_codes", "prepare_float", "prepare_fp8"]
 
 BACKENDS = ("auto", "reference", "inductor", "triton")
+ORDERS = ("global", "scale_2")
+"""Arithmetic orders: compressed-tensors' (``quantize_nvfp4``, quantize-direction global
+scale) and nvidia-modelopt's (``quantize_nvfp4_scale2``, dequant-direction ``scale_2``)."""
 
 MIN_COMPILED_ELEMENTS = 1 << 20
 """With ``auto``, smaller weights use the reference: compiling costs seconds once per process,
@@ -91,10 +96,19 @@ def _fp8_block_amax(xu: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return decode_e4m3(xu, nan_codes=True).abs().amax(-1) * s[:, None, :, None].abs()
 
 
-def _fp8_codes(xu, s, block_amax, g, six):
-    sf = nvfp4_block_scale(block_amax, g, six)
+def _scales(block_amax, scalar, six, order: str):
+    """(block scales as float32, the divisor of each block's weights) in either order."""
+    if order == "scale_2":
+        sf = nvfp4_block_scale_scale2(block_amax, scalar, six)
+        return sf, sf * scalar
+    sf = nvfp4_block_scale(block_amax, scalar, six)
+    return sf, sf / scalar
+
+
+def _fp8_codes(xu, s, block_amax, scalar, six, order: str):
+    sf, eff = _scales(block_amax, scalar, six, order)
     w = decode_e4m3(xu) * s[:, None, :, None, None]
-    return e2m1_codes(w / (sf / g)[..., None]), sf.to(torch.float8_e4m3fn)
+    return e2m1_codes(w / eff[..., None]), sf.to(torch.float8_e4m3fn)
 
 
 def _float_block_amax(x: torch.Tensor) -> torch.Tensor:
@@ -102,9 +116,9 @@ def _float_block_amax(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).abs().amax(-1)
 
 
-def _float_codes(x, block_amax, g, six):
-    sf = nvfp4_block_scale(block_amax, g, six)
-    return e2m1_codes(x.to(torch.float32) / (sf / g)[..., None]), sf.to(torch.float8_e4m3fn)
+def _float_codes(x, block_amax, scalar, six, order: str):
+    sf, eff = _scales(block_amax, scalar, six, order)
+    return e2m1_codes(x.to(torch.float32) / eff[..., None]), sf.to(torch.float8_e4m3fn)
 
 
 def _pack_pairs(c16: torch.Tensor) -> torch.Tensor:
@@ -120,11 +134,12 @@ def _compiled(name: str):
     return torch.compile(fn, dynamic=False)
 
 
-def _run(name: str, *args: torch.Tensor):
+def _run(name: str, *args):
     """Call a compiled graph with every dimension but the last of its tensors dynamic, so one
-    compilation serves every weight shape (the last, 16-wide dimension is what vectorizes)."""
+    compilation serves every weight shape (the last, 16-wide dimension is what vectorizes).
+    Non-tensor arguments (the order) are constants of the graph."""
     for t in args:
-        if t.ndim > 1:
+        if isinstance(t, torch.Tensor) and t.ndim > 1:
             for d in range(t.ndim - (1 if t.shape[-1] == _G else 0)):
                 torch._dynamo.maybe_mark_dynamic(t, d)
     return _compiled(name)(*args)
@@ -181,27 +196,36 @@ def choose_backend(requested: str, device: torch.device, numel: int | None = Non
 
 class Prepared:
     """One weight ready to quantize: ``amax`` (max |w|, 0-dim float32; NaN or inf when the
-    weight holds non-finite values), then ``quantize(global_scale)`` ->
-    ``(packed uint8 [N, K/2], block_scale float8_e4m3fn [N, K/16])`` on the CPU."""
+    weight holds non-finite values), then ``quantize(scalar)`` ->
+    ``(packed uint8 [N, K/2], block_scale float8_e4m3fn [N, K/16])`` on the CPU, where
+    ``scalar`` is the global scale (order ``global``, float32 [1]) or ``scale_2`` (order
+    ``scale_2``, 0-dim float32) of the tensor or its fused group."""
 
     amax: torch.Tensor
+    order: str = "global"
 
-    def quantize(self, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, scalar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def _scalar(self, scalar: torch.Tensor) -> torch.Tensor:
+        return scalar.to(torch.float32).reshape(() if self.order == "scale_2" else (1,))
 
 
 class _Reference(Prepared):
-    def __init__(self, w: torch.Tensor, device: torch.device):
+    def __init__(self, w: torch.Tensor, device: torch.device, order: str):
         self.w = w.to(device=device, dtype=torch.float32)
         self.amax = self.w.abs().amax()
+        self.order = order
 
-    def quantize(self, global_scale):
-        p, s = quantize_nvfp4(self.w, global_scale)
+    def quantize(self, scalar):
+        fn = quantize_nvfp4_scale2 if self.order == "scale_2" else quantize_nvfp4
+        p, s = fn(self.w, scalar)
         return p.cpu(), s.cpu()
 
 
 class _InductorFp8(Prepared):
-    def __init__(self, weight, scale, block):
+    def __init__(self, weight, scale, block, order: str):
+        self.order = order
         n, k = weight.shape
         bh, bw = block
         nb, kb = scale.shape
@@ -214,9 +238,9 @@ class _InductorFp8(Prepared):
         self.block_amax = _run("fp8_block_amax", self.xu, self.s)
         self.amax = self.block_amax.amax()
 
-    def quantize(self, global_scale):
-        g = global_scale.to(torch.float32).reshape(1)
-        codes, sf = _run("fp8_codes", self.xu, self.s, self.block_amax, g, torch.tensor(6.0))
+    def quantize(self, scalar):
+        codes, sf = _run("fp8_codes", self.xu, self.s, self.block_amax, self._scalar(scalar),
+                         torch.tensor(6.0), self.order)
         nb, bh, kb, bg, _ = self.xu.shape
         codes = codes.view(nb * bh, kb * bg * _G)[: self.n, : self.k]
         sf = sf.view(nb * bh, kb * bg)[: self.n, : self.k // _G]
@@ -224,15 +248,16 @@ class _InductorFp8(Prepared):
 
 
 class _InductorFloat(Prepared):
-    def __init__(self, w):
+    def __init__(self, w, order: str):
+        self.order = order
         self.n, self.k = w.shape
         self.x = w.contiguous().view(-1, _G)
         self.block_amax = _run("float_block_amax", self.x)
         self.amax = self.block_amax.amax()
 
-    def quantize(self, global_scale):
-        g = global_scale.to(torch.float32).reshape(1)
-        codes, sf = _run("float_codes", self.x, self.block_amax, g, torch.tensor(6.0))
+    def quantize(self, scalar):
+        codes, sf = _run("float_codes", self.x, self.block_amax, self._scalar(scalar),
+                         torch.tensor(6.0), self.order)
         return _pack(codes.view(self.n, self.k)), sf.view(self.n, self.k // _G)
 
 
@@ -242,7 +267,8 @@ def _check(shape, k_groups_ok: bool = True) -> None:
 
 
 def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                backend: str = "reference", device: torch.device | str = "cpu") -> Prepared:
+                backend: str = "reference", device: torch.device | str = "cpu",
+                order: str = "global") -> Prepared:
     """Prepare a block-scaled FP8 weight for NVFP4 quantization.
 
     Args:
@@ -252,6 +278,8 @@ def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
             straddles two FP8 scale blocks) and use the reference otherwise.
         backend: a name from :func:`choose_backend` (not ``auto``).
         device: where the reference and triton backends compute.
+        order: an arithmetic order from :data:`ORDERS`; Triton implements ``global`` and
+            uses the reference on the device for ``scale_2``.
 
     Returns:
         :class:`Prepared`; its bytes equal the reference's for every backend.
@@ -266,24 +294,28 @@ def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     if tuple(scale.shape) != want:
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight {n}x{k} with "
                          f"block {bh}x{bw} (expected {want[0]}x{want[1]})")
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r} is not one of {', '.join(ORDERS)}")
     if backend == "inductor" and bw % _G == 0:
-        return _InductorFp8(weight, scale, block)
-    if backend == "triton" and bw % _G == 0:
+        return _InductorFp8(weight, scale, block, order)
+    if backend == "triton" and bw % _G == 0 and order == "global":
         from quantize.kernels.triton_nvfp4 import TritonFp8
 
         return TritonFp8(weight, scale, block, torch.device(device))
     dev = torch.device(device)
-    return _Reference(dequantize_fp8_block(weight.to(dev), scale.to(dev), block), dev)
+    return _Reference(dequantize_fp8_block(weight.to(dev), scale.to(dev), block), dev, order)
 
 
 def prepare_float(w: torch.Tensor, backend: str = "reference",
-                  device: torch.device | str = "cpu") -> Prepared:
+                  device: torch.device | str = "cpu", order: str = "global") -> Prepared:
     """Prepare a float weight (bf16 / fp16 / fp32 [N, K], K a multiple of 16) for NVFP4.
 
     Same contract as :func:`prepare_fp8`; ``triton`` uses the reference on ``device`` (a dense
     source moves 2-4 bytes per weight, so the read, not the arithmetic, bounds it).
     """
     _check(w.shape)
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r} is not one of {', '.join(ORDERS)}")
     if backend == "inductor":
-        return _InductorFloat(w)
-    return _Reference(w, torch.device(device))
+        return _InductorFloat(w, order)
+    return _Reference(w, torch.device(device), order)

@@ -1,6 +1,7 @@
 """Source reading and validation: FP8 pairs, index vs headers, missing shards, CT FP8."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,39 @@ def test_dense_bf16_source_reads_exact_bits(tmp_path):
     source = open_source(tmp_path)
     assert source.kind is SourceKind.DENSE
     assert torch.equal(source.read("a.weight").view(torch.int16), x.view(torch.int16))
+
+
+def test_tensor_in_shard_but_not_in_index_is_an_error(tmp_path):
+    src = write_checkpoint(tmp_path, {"a.weight": torch.ones(2, 2), "model.norm.weight": torch.ones(2)}, {})
+    idx = json.loads((src / "model.safetensors.index.json").read_text())
+    del idx["weight_map"]["model.norm.weight"]
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(SourceError, match=r"model.norm.weight \(in model-00001-of-00001.safetensors, not listed in the index\)"):
+        open_source(src)
+
+
+def test_hub_cache_snapshot_links_are_followed(tmp_path):
+    """huggingface_hub's cache: snapshots/<commit>/<file> -> ../../blobs/<hash>."""
+    repo = tmp_path / "models--org--m"
+    plain = write_checkpoint(tmp_path / "plain", {"a.weight": torch.ones(4, 16), "b.weight": torch.ones(2)}, {},
+                             n_shards=2)
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(plain.iterdir())):
+        blob = repo / "blobs" / f"h{i}"
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
+    assert torch.equal(open_source(snap).read("a.weight"), torch.ones(4, 16))
+    # a link leaving the repo's cache folder is still refused
+    (snap / "model-00002-of-00002.safetensors").unlink()
+    (snap / "model-00002-of-00002.safetensors").symlink_to(plain / "model-00002-of-00002.safetensors")
+    with pytest.raises(SourceError, match="a link leading outside the source folder"):
+        open_source(snap)
+
+
+def test_recipe_bad_regex_named():
+    from quantize.errors import RecipeError
+    from quantize.recipe import Rule, Target
+    with pytest.raises(RecipeError, match=r"recipe rule match 're:\(\(' is not a valid regex"):
+        Rule("re:((", Target.NVFP4)

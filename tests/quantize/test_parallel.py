@@ -2,15 +2,17 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from formats.checkpoint import INDEX_NAME
-from quantize.errors import OutputError
+from quantize.errors import SourceError
 from quantize.kernels.fused import _has_cxx, _has_triton
 from quantize.manifest import MANIFEST_NAME
 from quantize.parallel import assign_shards
@@ -20,13 +22,15 @@ from test_pipeline import moe_checkpoint
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def assert_same_build(a: Path, b: Path) -> None:
-    """Every file byte-identical; the manifest equal except for the output-independent source
-    path (both builds read the same source)."""
+def assert_same_build(a: Path, b: Path, same_source: bool = True) -> None:
+    """Every file byte-identical; the manifest equal (but for the source path when the two
+    builds read copies of one source)."""
     assert sorted(os.listdir(a)) == sorted(os.listdir(b))
     for p in sorted(a.iterdir()):
         if p.name == MANIFEST_NAME:
             x, y = json.loads(p.read_text()), json.loads((b / p.name).read_text())
+            if not same_source:
+                x["source"].pop("path"), y["source"].pop("path")
             assert x == y
         else:
             assert p.read_bytes() == (b / p.name).read_bytes(), p.name
@@ -55,6 +59,11 @@ def test_inductor_build_is_the_reference_build(moe, tmp_path):
     src, clean = moe
     convert(src, tmp_path / "fast", progress=False, device="cpu", kernel="inductor")
     assert_same_build(clean, tmp_path / "fast")
+    # ModelOpt's arithmetic order (scale_2) through the same compiled graphs
+    for kernel in ("reference", "inductor"):
+        convert(src, tmp_path / f"mo-{kernel}", progress=False, device="cpu", kernel=kernel,
+                fmt="modelopt")
+    assert_same_build(tmp_path / "mo-reference", tmp_path / "mo-inductor")
 
 
 def test_two_workers_write_the_single_process_build(moe, tmp_path):
@@ -79,26 +88,57 @@ def test_torchrun_gloo_two_ranks_write_the_single_process_build(moe, tmp_path):
 
 
 def test_failed_rank_stops_all_then_resume_with_other_rank_count(moe, tmp_path):
-    """One rank cannot write its shard: every rank raises, finished shards stay in the per-rank
-    ledgers, and a resume with one process completes the identical build."""
+    """A NaN in one source shard stops the rank converting it; every rank raises, the shards
+    finished by then stay in the per-rank ledgers, and once the shard is repaired a resume with
+    one process reads those ledgers and completes the identical build (re-converting what
+    depended on the repaired shard: here every shard, as weights and scales are spread)."""
     src, clean = moe
+    bad = tmp_path / "src"
+    shutil.copytree(src, bad)
+    shard = bad / "model-00003-of-00004.safetensors"
+    original = shard.read_bytes()
+    t = load_file(str(shard))
+    name = "model.layers.2.shared_head.norm.weight"  # a kept bf16 tensor of that shard
+    t[name] = t[name].clone()
+    t[name][0] = float("nan")
+    save_file(t, str(shard))
     out = tmp_path / "o"
-    out.mkdir()
-    blocker = out / "model-00003-of-00004.safetensors"
-    blocker.mkdir()  # a directory where a shard must go: its rename fails
-    with pytest.raises(OutputError, match="cannot write shard model-00003-of-00004"):
-        convert(src, out, progress=False, device="cpu", kernel="reference", workers=2,
-                resume=True)
+    with pytest.raises(SourceError, match=f"{name} in shard model-00003-of-00004.safetensors has 1 NaN"):
+        convert(bad, out, progress=False, device="cpu", kernel="reference", workers=2)
     ledgers = sorted(p.name for p in out.glob(".spark-quant-progress*"))
     assert ledgers == [".spark-quant-progress.rank0.json", ".spark-quant-progress.rank1.json"]
     done = {}
-    for name in ledgers:
-        done.update(json.loads((out / name).read_text())["shards"])
-    assert "model-00003-of-00004.safetensors" not in done and len(done) >= 1
+    for p in ledgers:
+        done.update(json.loads((out / p).read_text())["shards"])
+    assert shard.name not in done and len(done) >= 1
     assert not (out / INDEX_NAME).exists() and not (out / MANIFEST_NAME).exists()
-    blocker.rmdir()
-    s = convert(src, out, progress=False, device="cpu", kernel="reference", resume=True)
-    assert s.shards_skipped == len(done) and s.shards_written == 4 - len(done)
+    shard.write_bytes(original)
+    s = convert(bad, out, progress=False, device="cpu", kernel="reference", resume=True)
+    assert s.shards_skipped + s.shards_written == 4
+    assert not list(out.glob(".spark-quant-progress*"))
+    assert_same_build(clean, out, same_source=False)
+
+
+def test_single_process_ledger_resumed_by_two_workers(moe, tmp_path, monkeypatch):
+    import quantize.pipeline as pl
+
+    src, clean = moe
+    real, calls = pl.write_shard_atomic, {"n": 0}
+
+    def dying(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # killed while writing shard 3
+        real(tensors, path, metadata)
+
+    monkeypatch.setattr(pl, "write_shard_atomic", dying)
+    out = tmp_path / "o"
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, out, progress=False, device="cpu", kernel="reference")
+    monkeypatch.undo()
+    s = convert(src, out, progress=False, device="cpu", kernel="reference", resume=True, workers=2)
+    assert s.shards_skipped == 2 and s.shards_written == 2
+    assert not list(out.glob(".spark-quant-progress*"))
     assert_same_build(clean, out)
 
 

@@ -6,24 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
+from conftest import BLOCK_FP8_QC, fp8_pair, load_all, write_checkpoint
 from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from quantize.errors import OutputError, SourceError
 from quantize.kernels.nvfp4 import dequantize_nvfp4
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
 from quantize.pipeline import convert
-
-
-def load_all(folder: Path) -> dict[str, torch.Tensor]:
-    idx = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
-    out = {}
-    for name, shard in idx.items():
-        with safe_open(str(folder / shard), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
 
 
 def deq(t: dict, module: str) -> torch.Tensor:
@@ -139,7 +129,8 @@ def test_fc16_fc20_routers_and_bias_bit_identical(moe_build):
     assert "model.layers.1.mlp.gate" in ignore and "model.layers.2.eh_proj" in ignore
 
 
-def test_fc16_router_found_structurally_not_by_substring(tmp_path):
+@pytest.mark.parametrize("fmt,packed", [("compressed-tensors", ".weight_packed"), ("modelopt", ".weight")])
+def test_fc16_router_found_structurally_not_by_substring(tmp_path, fmt, packed):
     h = 64
     t = {"model.layers.1.mlp.gate.weight": torch.randn(8, h).bfloat16(),
          "model.layers.1.block_sparse_moe.gate.weight": torch.randn(8, h).bfloat16(),
@@ -148,12 +139,12 @@ def test_fc16_router_found_structurally_not_by_substring(tmp_path):
          "model.layers.1.mlp.shared_experts.gate_proj.weight": torch.randn(32, h).bfloat16(),
          "model.layers.1.mlp.shared_experts.up_proj.weight": torch.randn(32, h).bfloat16()}
     src = write_checkpoint(tmp_path / "s", t, {"n_routed_experts": 8})
-    convert(src, tmp_path / "o", progress=False)
+    convert(src, tmp_path / "o", fmt=fmt, progress=False)
     o = load_all(tmp_path / "o")
     for r in ("model.layers.1.mlp.gate", "model.layers.1.block_sparse_moe.gate"):
         assert torch.equal(o[f"{r}.weight"].view(torch.int16), t[f"{r}.weight"].view(torch.int16))
-    assert "model.layers.1.mlp.experts.0.gate_proj.weight_packed" in o
-    assert "model.layers.1.mlp.shared_experts.gate_proj.weight_packed" in o
+    assert o["model.layers.1.mlp.experts.0.gate_proj" + packed].dtype == torch.uint8
+    assert o["model.layers.1.mlp.shared_experts.gate_proj" + packed].dtype == torch.uint8
 
 
 def test_fc20_softmax_router_gets_no_invented_bias(tmp_path):
@@ -231,8 +222,104 @@ def test_non_empty_out_refused_without_resume(tmp_path, tiny_fp8_llama):
     out = tmp_path / "o"
     out.mkdir()
     (out / "x").write_text("x")
-    with pytest.raises(OutputError, match="not empty; pass --resume"):
+    with pytest.raises(OutputError, match="not empty; choose another --out"):
         convert(tiny_fp8_llama, out, progress=False)
+    with pytest.raises(OutputError, match="holds no spark-quant build"):
+        convert(tiny_fp8_llama, out, progress=False, resume=True)
+    assert sorted(p.name for p in out.iterdir()) == ["x"]
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_out_never_overwrites_the_source(tiny_fp8_llama, where):
+    out = tiny_fp8_llama if where == "same" else tiny_fp8_llama / "nvfp4"
+    before = {p.name: p.read_bytes() for p in tiny_fp8_llama.iterdir()}
+    for resume in (False, True):
+        with pytest.raises(OutputError, match="is the source folder or inside it"):
+            convert(tiny_fp8_llama, out, progress=False, resume=resume)
+    assert {p.name: p.read_bytes() for p in tiny_fp8_llama.iterdir()} == before
+
+
+def test_interrupted_resume_over_finished_build_leaves_nothing_complete(tmp_path, tiny_fp8_llama, monkeypatch):
+    out = tmp_path / "o"
+    convert(tiny_fp8_llama, out, progress=False)
+    import quantize.pipeline as pl
+    monkeypatch.setattr(pl, "write_shard_atomic", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_fp8_llama, out, progress=False, resume=True)
+    for marker in (MANIFEST_NAME, INDEX_NAME, "config.json"):
+        assert not (out / marker).exists()
+
+
+def test_resume_reconverts_a_changed_source_shard(tmp_path, tiny_fp8_llama, monkeypatch):
+    clean = tmp_path / "clean"
+    out = tmp_path / "o"
+    import quantize.pipeline as pl
+    real = pl.write_shard_atomic
+    calls = {"n": 0}
+
+    def dying(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        real(tensors, path, metadata)
+
+    monkeypatch.setattr(pl, "write_shard_atomic", dying)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_fp8_llama, out, progress=False)
+    monkeypatch.setattr(pl, "write_shard_atomic", real)
+    # shard 1 is re-downloaded with new values of the same shapes (headers unchanged)
+    shard1 = tiny_fp8_llama / "model-00001-of-00003.safetensors"
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(shard1))
+    t["model.embed_tokens.weight"] = -t["model.embed_tokens.weight"]
+    save_file(t, str(shard1))
+    summary = convert(tiny_fp8_llama, out, progress=False, resume=True)
+    assert summary.shards_skipped == 0
+    convert(tiny_fp8_llama, clean, progress=False)
+    assert shard1.name in os.listdir(out)
+    assert (out / shard1.name).read_bytes() == (clean / shard1.name).read_bytes()
+
+
+def test_fc23_tied_flag_with_a_different_lm_head_keeps_it(tmp_path):
+    emb = torch.randn(128, 64).bfloat16()
+    t = {"model.embed_tokens.weight": emb, "lm_head.weight": (emb * 2)}
+    src = write_checkpoint(tmp_path / "s", t, {"tie_word_embeddings": True})
+    summary = convert(src, tmp_path / "o", progress=False)
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False
+    assert torch.equal(load_all(tmp_path / "o")["lm_head.weight"], emb * 2)
+    assert any("differs from embed_tokens" in n for n in summary.notes)
+    # an identical stored head is dropped and the tie kept
+    src2 = write_checkpoint(tmp_path / "s2", {"model.embed_tokens.weight": emb, "lm_head.weight": emb.clone()},
+                            {"tie_word_embeddings": True})
+    convert(src2, tmp_path / "o2", progress=False)
+    assert "lm_head.weight" not in load_all(tmp_path / "o2")
+    assert json.loads((tmp_path / "o2" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_nan_in_a_kept_tensor_is_refused(tmp_path):
+    e = torch.randn(64, 32).bfloat16()
+    e[1, 1] = float("nan")
+    src = write_checkpoint(tmp_path / "s", {"model.embed_tokens.weight": e}, {})
+    with pytest.raises(SourceError, match=r"model.embed_tokens.weight in shard .* has 1 NaN/Inf values ;"):
+        convert(src, tmp_path / "o", progress=False)
+
+
+def test_sensitive_modules_under_other_names_stay_unquantized(tmp_path):
+    h = 64
+    names = ["gpt_neox.embed_in", "embed_out", "model.decoder.embed_positions",
+             "model.layers.0.mlp.shared_expert_gate", "model.layers.0.feed_forward.router",
+             "model.layers.1.mlp.gate"]
+    t = {f"{n}.weight": torch.randn(8 if "gate" in n or "router" in n else 128, h).bfloat16() for n in names}
+    t["model.layers.0.mlp.shared_expert_gate.weight"] = torch.randn(1, h).bfloat16()
+    t["model.layers.1.mlp.experts.0.down_proj.weight"] = torch.randn(h, 32).bfloat16()
+    t["model.layers.0.feed_forward.experts.0.down_proj.weight"] = torch.randn(h, 32).bfloat16()
+    src = write_checkpoint(tmp_path / "s", t, {})  # no expert count in the config
+    convert(src, tmp_path / "o", progress=False)
+    o = load_all(tmp_path / "o")
+    for n in names:
+        assert torch.equal(o[f"{n}.weight"], t[f"{n}.weight"]), n
+    assert "model.layers.1.mlp.experts.0.down_proj.weight_packed" in o
 
 
 def test_fc04_resume_after_kill_is_byte_identical(tmp_path, monkeypatch):
@@ -274,7 +361,7 @@ def test_resume_refuses_a_different_job(tmp_path, tiny_fp8_llama, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_fp8_llama, out, progress=False)
     monkeypatch.undo()
-    (tmp_path / "r.toml").write_text('name="other"\n[[rule]]\nmatch="re:.*q_proj"\ntarget="nvfp4"\n')
+    (tmp_path / "r.toml").write_text('name="other"\n[[rule]]\nmatch="re:.*mlp.*"\ntarget="nvfp4"\n')
     with pytest.raises(OutputError, match="holds a different build"):
         convert(tiny_fp8_llama, out, progress=False, resume=True, recipe=str(tmp_path / "r.toml"))
 

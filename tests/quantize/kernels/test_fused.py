@@ -6,7 +6,8 @@ import torch
 from quantize.kernels.fp8 import dequantize_fp8_block
 from quantize.kernels.fused import (MIN_COMPILED_ELEMENTS, _has_cxx, choose_backend, decode_e4m3,
                                     e2m1_codes, prepare_float, prepare_fp8)
-from quantize.kernels.nvfp4 import global_scale_from_amax, quantize_nvfp4, round_to_e2m1_codes
+from quantize.kernels.nvfp4 import (global_scale_from_amax, quantize_nvfp4, quantize_nvfp4_scale2,
+                                    round_to_e2m1_codes, scale_2_from_amax)
 
 CPU = torch.device("cpu")
 needs_cxx = pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")
@@ -111,6 +112,25 @@ def test_inductor_fp8_matches_reference_bytes(n, k, block, scale_dtype):
     assert s.view(torch.uint8)[0, 0] == 0x20 and s.view(torch.uint8)[1, 0] == 0x20  # 0.125
     assert (p[:2, :8] == 0).all()  # +0 and -0 blocks: code 0
     assert (p[2, :8] & 0x88).any()  # some negative ramp values kept their sign (code >= 8)
+
+
+@needs_cxx
+@pytest.mark.parametrize("n,k,block", [LAYOUTS[1], LAYOUTS[3]])
+def test_inductor_fp8_modelopt_order_matches_reference_bytes(n, k, block):
+    """nvidia-modelopt's order (dequant-direction scale_2, zero blocks 1.0) through the same
+    compiled graphs: the bytes of quantize_nvfp4_scale2."""
+    g = torch.Generator().manual_seed(n + k)
+    wq = special_rows(random_fp8(n, k, g))
+    scale = torch.rand((-(-n // block[0]), -(-k // block[1])), generator=g) * 1e-3 + 1e-6
+    w = dequantize_fp8_block(wq, scale, block)
+    s2 = scale_2_from_amax(w.abs().amax())
+    p, s = quantize_nvfp4_scale2(w, s2)
+    prep = prepare_fp8(wq, scale, block, backend="inductor", order="scale_2")
+    assert_same(prep.quantize(s2), (p, s))
+    assert s.view(torch.uint8)[0, 0] == 0x38  # an all-zero block: 1.0 in this order
+    fl = prepare_float(w.bfloat16(), backend="inductor", order="scale_2")
+    s2f = scale_2_from_amax(fl.amax)
+    assert_same(fl.quantize(s2f), quantize_nvfp4_scale2(w.bfloat16().float(), s2f))
 
 
 @needs_cxx

@@ -1,0 +1,165 @@
+"""What each serving engine accepts when it loads a build: data rows, one place.
+
+Every row cites the engine file it was read from (formats_spec.md B.3, versions there).
+Used by the planner (keep a tensor in higher precision when its per-TP-shard shape breaks
+a rule) and by ``quantize check``.
+"""
+
+from dataclasses import dataclass
+
+__all__ = ["ENGINES", "AlignRule", "ALIGN_RULES", "align_violations", "FormatSupport",
+           "FORMAT_SUPPORT", "MODEL_RULES", "ModelRule", "MODELOPT_REQUIRED_KEYS"]
+
+ENGINES = ("vllm", "sglang", "trtllm")
+
+
+@dataclass(frozen=True)
+class AlignRule:
+    """Per-TP-shard ``dim`` (``k`` in features, ``n`` out features) of a ``target`` tensor must
+    be a multiple of ``multiple`` on ``engines``.
+
+    ``scope``: ``any`` Linear or ``moe`` (routed experts only). ``only_when_split``: the rule
+    applies only when TP actually splits that dim (block-FP8 partial blocks are fine
+    unsharded).
+    """
+
+    engines: tuple[str, ...]
+    target: str
+    dim: str
+    multiple: int
+    scope: str
+    only_when_split: bool
+    source: str
+
+
+ALIGN_RULES: tuple[AlignRule, ...] = (
+    AlignRule(ENGINES, "nvfp4", "k", 16, "any", False,
+              "vLLM modelopt.py ModelOptNvFp4LinearMethod: 'in features size is not multiple of 16'; "
+              "compressed-tensors group_size 16 (forward_helpers._process_group)"),
+    AlignRule(("sglang",), "nvfp4", "k", 256, "moe", False,
+              "SGLang modelopt_quant.py ModelOptNvFp4FusedMoEMethod asserts weight_scale.shape[2] % 16"),
+    AlignRule(ENGINES, "mxfp8", "k", 32, "any", False,
+              "vLLM modelopt.py ModelOptMxFp8LinearMethod: K % 32"),
+    AlignRule(ENGINES, "fp8-block", "n", 128, "any", True,
+              "vLLM quantization/utils/fp8_utils.py validate_fp8_block_shape: output partition % block_n"),
+    AlignRule(ENGINES, "fp8-block", "k", 128, "any", True,
+              "vLLM quantization/utils/fp8_utils.py validate_fp8_block_shape: input partition % block_k"),
+)
+
+
+def align_violations(engine: str, target: str, shape: tuple[int, int], split: str, tp: int,
+                     moe: bool) -> list[str]:
+    """Reasons the per-shard shape of one weight breaks ``engine``'s rules for ``target``.
+
+    Args:
+        shape: logical [N, K] of the weight. split: ``row`` / ``column`` / ``replicated``
+            (``archs.tp_split``). tp: tensor-parallel size. moe: a routed-expert weight.
+
+    Returns:
+        one line per violated rule (empty when the tensor loads).
+    """
+    n, k = shape
+    out = []
+    for r in ALIGN_RULES:
+        if engine not in r.engines or r.target != target or (r.scope == "moe" and not moe):
+            continue
+        is_split = tp > 1 and split == ("row" if r.dim == "k" else "column")
+        if r.only_when_split and not is_split:
+            continue
+        full = k if r.dim == "k" else n
+        if is_split and full % tp:
+            out.append(f"{r.dim.upper()}={full} does not split over TP={tp}")
+            continue
+        per = full // tp if is_split else full
+        if per % r.multiple:
+            where = f"{r.dim.upper()}/TP={full}/{tp}={per}" if is_split else f"{r.dim.upper()}={per}"
+            out.append(f"{where} is not a multiple of {r.multiple} for {target} on {engine} ({r.source})")
+    return out
+
+
+@dataclass(frozen=True)
+class FormatSupport:
+    """Whether ``engine`` loads ``fmt`` builds with ``algo`` (ModelOpt ``quant_algo`` or a
+    compressed-tensors scheme name). ``level``: ``ok``, ``warning`` (unconfirmed) or ``error``."""
+
+    engine: str
+    fmt: str
+    algo: str
+    level: str
+    source: str
+
+
+FORMAT_SUPPORT: tuple[FormatSupport, ...] = (
+    FormatSupport("vllm", "modelopt", "NVFP4", "ok", "vLLM modelopt.py QUANT_ALGOS"),
+    FormatSupport("vllm", "modelopt", "W4A16_NVFP4", "ok", "vLLM modelopt.py QUANT_ALGOS"),
+    FormatSupport("vllm", "modelopt", "MIXED_PRECISION", "ok", "vLLM modelopt.py ModelOptMixedPrecisionConfig"),
+    FormatSupport("vllm", "compressed-tensors", "nvfp4-pack-quantized", "ok",
+                  "vLLM compressed_tensors.py CompressedTensorsW4A16Fp4 / W4A4Fp4"),
+    FormatSupport("vllm", "compressed-tensors", "mixed-precision", "ok",
+                  "vLLM compressed_tensors.py per-group format (@be69645)"),
+    FormatSupport("sglang", "modelopt", "NVFP4", "ok", "SGLang modelopt_quant.py ModelOptFp4Config"),
+    FormatSupport("sglang", "modelopt", "W4A16_NVFP4", "error",
+                  "SGLang modelopt_quant.py @faeb968 accepts only FP8 / NVFP4 quant_algo"),
+    FormatSupport("sglang", "modelopt", "MIXED_PRECISION", "error",
+                  "SGLang modelopt_quant.py @faeb968 accepts only FP8 / NVFP4 quant_algo"),
+    FormatSupport("sglang", "compressed-tensors", "nvfp4-pack-quantized", "warning",
+                  "SGLang compressed-tensors NVFP4 support UNCONFIRMED (formats_spec.md B.3.4)"),
+    FormatSupport("sglang", "compressed-tensors", "mixed-precision", "warning",
+                  "SGLang compressed-tensors NVFP4 support UNCONFIRMED (formats_spec.md B.3.4)"),
+    FormatSupport("vllm", "modelopt", "FP8_PB_WO", "ok", "vLLM modelopt.py QUANT_ALGOS"),
+    FormatSupport("vllm", "modelopt", "MXFP8", "ok", "vLLM modelopt.py ModelOptMxFp8LinearMethod"),
+    FormatSupport("vllm", "compressed-tensors", "float-quantized", "ok",
+                  "vLLM compressed_tensors.py FP8 block scheme (CompressedTensorsW8A8Fp8, strategy block)"),
+    FormatSupport("vllm", "compressed-tensors", "mxfp8-quantized", "warning",
+                  "vLLM compressed-tensors MXFP8 support UNCONFIRMED in the versions read"),
+    FormatSupport("sglang", "modelopt", "FP8_PB_WO", "error",
+                  "SGLang modelopt_quant.py @faeb968 accepts only FP8 / NVFP4 quant_algo"),
+    FormatSupport("sglang", "modelopt", "MXFP8", "error",
+                  "SGLang modelopt_quant.py @faeb968 accepts only FP8 / NVFP4 quant_algo"),
+    FormatSupport("sglang", "compressed-tensors", "float-quantized", "warning",
+                  "SGLang compressed-tensors FP8 block support UNCONFIRMED in the version read"),
+    FormatSupport("sglang", "compressed-tensors", "mxfp8-quantized", "warning",
+                  "SGLang compressed-tensors MXFP8 support UNCONFIRMED"),
+    FormatSupport("trtllm", "compressed-tensors", "float-quantized", "ok",
+                  "TRT-LLM model_config.py: block + group 128 -> FP8_BLOCK_SCALES"),
+    FormatSupport("trtllm", "compressed-tensors", "mxfp8-quantized", "warning", "TRT-LLM CT MXFP8 UNCONFIRMED"),
+    FormatSupport("trtllm", "modelopt", "FP8_PB_WO", "warning", "TRT-LLM ModelOpt FP8_PB_WO UNCONFIRMED"),
+    FormatSupport("trtllm", "modelopt", "MXFP8", "warning", "TRT-LLM ModelOpt MXFP8 UNCONFIRMED"),
+    FormatSupport("trtllm", "modelopt", "NVFP4", "ok", "TRT-LLM _torch/model_config.py"),
+    FormatSupport("trtllm", "modelopt", "W4A16_NVFP4", "ok", "TRT-LLM _torch/model_config.py"),
+    FormatSupport("trtllm", "modelopt", "MIXED_PRECISION", "ok",
+                  "TRT-LLM _torch/model_config.py reads quantized_layers"),
+    FormatSupport("trtllm", "compressed-tensors", "nvfp4-pack-quantized", "error",
+                  "TRT-LLM model_config.py needs tensor_group input_activations for CT NVFP4; "
+                  "weight-only NVFP4A16 has none"),
+    FormatSupport("trtllm", "compressed-tensors", "mixed-precision", "warning",
+                  "TRT-LLM resolves CT mixed configs per module; class-name targets rejected"),
+)
+
+MODELOPT_REQUIRED_KEYS = {
+    "vllm": ("group_size", "kv_cache_quant_algo", "exclude_modules"),
+    "sglang": ("group_size", "exclude_modules"),
+    "trtllm": ("quant_algo",),
+}
+"""Keys of ``hf_quant_config.json`` ``quantization`` each engine requires to be present
+(values may be null / empty): vLLM modelopt.py ModelOptNvFp4Config._from_config @00155cd;
+SGLang ModelOptFp4Config.from_config."""
+
+
+@dataclass(frozen=True)
+class ModelRule:
+    """A model-specific loader constraint: Linears of ``role`` in ``model_type`` must stay
+    unquantized on ``engine`` (``level`` error or warning when unconfirmed upstream)."""
+
+    engine: str
+    model_type: str
+    role: str
+    level: str
+    source: str
+
+
+MODEL_RULES: tuple[ModelRule, ...] = tuple(
+    ModelRule("vllm", mt, role, "warning",
+              "vLLM glm5next builds MLA and KDA projections with quant_config=None ('MLA projections "
+              "are BF16 in checkpoint'); seen in a vLLM-derived tree, UNCONFIRMED upstream")
+    for mt in ("glm5_next",) for role in ("mla", "kda"))

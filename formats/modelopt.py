@@ -1,0 +1,180 @@
+"""NVIDIA ModelOpt unified HF checkpoint layout (``quant_method: modelopt``).
+
+Per quantized Linear ``<m>`` [ModelOpt export/unified_export_hf.py _export_quantized_weight,
+quant_utils.py; vLLM modelopt.py ModelOptNvFp4LinearMethod / ModelOptMxFp8LinearMethod]:
+
+| target    | tensor                 | dtype         | shape                                   |
+| nvfp4     | ``<m>.weight``         | uint8         | [N, K/2] e2m1, even col low              |
+|           | ``<m>.weight_scale``   | float8_e4m3fn | [N, K/16] (same bytes rule as CT)        |
+|           | ``<m>.weight_scale_2`` | float32       | [] (0-dim), dequant direction amax/2688 |
+| fp8-block | ``<m>.weight``         | float8_e4m3fn | [N, K] (``FP8_PB_WO``)                    |
+|           | ``<m>.weight_scale``   | float32 (*)   | [ceil(N/128), ceil(K/128)], multiplier   |
+| mxfp8     | ``<m>.weight``         | float8_e4m3fn | [N, K]                                   |
+|           | ``<m>.weight_scale``   | uint8 (e8m0)  | [N, K/32]                                |
+
+(*) a passed-through DeepSeek ``weight_scale_inv`` keeps its stored dtype, renamed only.
+
+Two config files (ModelOpt ``_write_hf_export_config``):
+``hf_quant_config.json`` ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
+"group_size", "exclude_modules"[, "quantized_layers"]}}`` (vLLM requires the three keys,
+formats_spec.md B.2.2) and ``config.json`` ``quantization_config`` as ModelOpt's
+``convert_hf_quant_config_format`` writes it, whose ``ignore`` equals ``exclude_modules``
+(FC-25). Weight-only NVFP4 is ``W4A16_NVFP4``; builds with several formats are
+``MIXED_PRECISION`` with every quantized module in ``quantized_layers``.
+
+Converting to compressed-tensors is renaming plus reciprocal scalars
+(compressed-tensors entrypoints/convert/converters/modelopt_nvfp4.py): see
+:func:`to_compressed_tensors` / :func:`from_compressed_tensors`.
+"""
+
+import torch
+
+from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
+
+__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "HF_QUANT_CONFIG", "emit_nvfp4", "emit_fp8_block",
+           "emit_mxfp8", "output_specs", "quant_algo_of", "hf_quant_config", "quantization_config",
+           "extra_files", "to_compressed_tensors", "from_compressed_tensors"]
+
+FORMAT_NAME = "modelopt"
+NVFP4_ORDER = "scale_2"
+"""ModelOpt divides by ``block_scale * scale_2`` (dequant direction) and gives all-zero
+blocks scale 1.0 (``NVFP4QTensor.get_weights_scaling_factor``)."""
+HF_QUANT_CONFIG = "hf_quant_config.json"
+_LAYER_ALGO = {"nvfp4": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
+               "fp8-block": {"quant_algo": "FP8_PB_WO"},
+               "mxfp8": {"quant_algo": "MXFP8", "group_size": 32}}
+
+
+def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
+               global_scale: torch.Tensor | None, scale_2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Name the NVFP4 tensors of ``module``.
+
+    Args:
+        packed: uint8 [N, K/2]. block_scale: float8_e4m3fn [N, K/16].
+        global_scale: unused (compressed-tensors' quantize-direction scalar).
+        scale_2: float32, dequant direction (amax / 2688), written 0-dim as ModelOpt does.
+    """
+    return {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
+            f"{module}.weight_scale_2": scale_2.to(torch.float32).reshape(())}
+
+
+def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32") -> dict:
+    """Names, safetensors dtypes and shapes the ``emit_*`` functions write for a quantized
+    ``target`` of a weight [N, K]."""
+    n, k = shape
+    if target == "nvfp4":
+        return {f"{module}.weight": ("U8", (n, k // 2)),
+                f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
+                f"{module}.weight_scale_2": ("F32", ())}
+    specs = fp8_output_specs(module, target, shape, fp8_scale_dtype)
+    if specs is not None:
+        return specs
+    raise ValueError(f"{target!r} is not a quantized target")
+
+
+def quant_algo_of(targets: dict[str, str]) -> str:
+    """``W4A16_NVFP4`` / ``FP8_PB_WO`` / ``MXFP8`` for one format, ``MIXED_PRECISION`` for several."""
+    kinds = set(targets.values()) or {"nvfp4"}
+    return _LAYER_ALGO[kinds.pop()]["quant_algo"] if len(kinds) == 1 else "MIXED_PRECISION"
+
+
+def hf_quant_config(targets: dict[str, str], ignore: list[str], producer: dict) -> dict:
+    """``hf_quant_config.json`` contents.
+
+    Args:
+        targets: quantized module name -> target. ignore: unquantized module names (exact).
+        producer: ``{"name": ..., "version": ...}``.
+    """
+    algo = quant_algo_of(targets)
+    q = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
+         "exclude_modules": sorted(ignore)}
+    if algo == "MIXED_PRECISION":
+        q["quantized_layers"] = {m: dict(_LAYER_ALGO[t]) for m, t in sorted(targets.items())}
+    elif algo == "MXFP8":
+        q["group_size"] = 32
+    return {"producer": dict(producer), "quantization": q}
+
+
+def _group_config(algo: str, group_size: int | None) -> dict:
+    # ModelOpt export/convert_hf_config.py _quant_algo_to_group_config, for our algos.
+    if algo == "W4A16_NVFP4":
+        return {"weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": group_size or 16}}
+    if algo == "MXFP8":
+        gs = group_size or 32
+        return {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float", "group_size": gs},
+                "weights": {"dynamic": False, "num_bits": 8, "type": "float", "group_size": gs}}
+    return {"quant_algo": algo}
+
+
+def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
+                        producer: dict | None = None) -> dict:
+    """config.json ``quantization_config``: ModelOpt's ``convert_hf_quant_config_format`` of
+    :func:`hf_quant_config` (``quant_method: modelopt``, ``ignore`` == ``exclude_modules``).
+
+    Raises:
+        ValueError: unknown scheme.
+    """
+    if scheme != "w4a16":
+        raise ValueError(f"scheme {scheme!r} is not available for modelopt output (valid: w4a16)")
+    q = hf_quant_config(targets, ignore, producer or {})["quantization"]
+    algo = q["quant_algo"]
+    out: dict = {}
+    if algo == "MIXED_PRECISION":
+        by_cfg: dict[tuple, list[str]] = {}
+        for layer, cfg in q["quantized_layers"].items():
+            by_cfg.setdefault(tuple(sorted(cfg.items())), []).append(layer)
+        groups = {}
+        for i, (key, layers) in enumerate(by_cfg.items()):
+            cfg = dict(key)
+            g = _group_config(cfg["quant_algo"], cfg.get("group_size"))
+            g["targets"] = sorted(layers)
+            groups[f"group_{i}"] = g
+        out["config_groups"] = groups
+        out["quantized_layers"] = q["quantized_layers"]
+    elif algo == "W4A16_NVFP4":
+        out["config_groups"] = {"group_0": {**_group_config(algo, q["group_size"]), "targets": ["Linear"]}}
+    out["ignore"] = q["exclude_modules"]
+    out["quant_algo"] = algo
+    if producer:
+        out["producer"] = dict(producer)
+    out["quant_method"] = "modelopt"
+    return out
+
+
+def extra_files(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
+                producer: dict | None = None) -> dict[str, dict]:
+    """``{"hf_quant_config.json": ...}``: the legacy file every engine still reads."""
+    return {HF_QUANT_CONFIG: hf_quant_config(targets, ignore, producer or {})}
+
+
+def to_compressed_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4 tensors -> compressed-tensors names: ``weight`` (uint8) ->
+    ``weight_packed`` (same bytes), ``weight_scale`` unchanged, ``weight_scale_2`` ->
+    ``weight_global_scale = 1 / x`` (float32 [1]). Other tensors pass unchanged.
+    (compressed-tensors ModelOptNvfp4Converter; vLLM ModelOptNvFp4W4A16LinearMethod docstring.)
+    """
+    out = {}
+    packed = {n[: -len(".weight_scale_2")] for n in tensors if n.endswith(".weight_scale_2")}
+    for name, t in tensors.items():
+        mod = name.rsplit(".", 1)[0]
+        if mod in packed and name.endswith(".weight"):
+            out[mod + ".weight_packed"] = t
+        elif name.endswith(".weight_scale_2"):
+            out[mod + ".weight_global_scale"] = (1.0 / t.to(torch.float32)).reshape(1)
+        else:
+            out[name] = t
+    return out
+
+
+def from_compressed_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_compressed_tensors`: ``weight_packed`` -> ``weight``,
+    ``weight_global_scale`` -> ``weight_scale_2 = 1 / x`` (float32, 0-dim)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_packed"):
+            out[name[: -len("_packed")]] = t
+        elif name.endswith(".weight_global_scale"):
+            out[name[: -len("weight_global_scale")] + "weight_scale_2"] = (1.0 / t.to(torch.float32)).reshape(())
+        else:
+            out[name] = t
+    return out

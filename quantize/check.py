@@ -1,0 +1,409 @@
+"""``quantize check``: will an engine load this build? Reads headers, configs and the scale
+tensors only (never a weight).
+
+Rules, each a finding with the tensor or module it is about (formats_spec.md B.3.6):
+
+- ``config``: the target ``quantization_config`` replaced the source's; compressed-tensors
+  status / groups; ModelOpt ``hf_quant_config.json`` with the keys the engine requires,
+  ``ignore`` == ``exclude_modules`` (FC-25); format supported by the engine.
+- ``layout``: every quantized module has exactly its format's tensors with consistent
+  shapes and dtypes; no ``*_scale_inv`` left over (FC-03).
+- ``ignore``: every unquantized Linear weight is ignored / excluded and no quantized module
+  is (FC-15; vLLM's substring and wildcard matching included); each quantized module is
+  claimed by the config group of its own format.
+- ``fused-group``: members share one format and, for NVFP4, one global scale (FC-06, FC-07);
+  a routed-expert layer has one scheme (vLLM "All MoE projections need to have same
+  quantization scheme").
+- ``align``: per-TP-shard shapes meet the engine's alignment rows (``formats.engines``).
+- ``mtp``: each MTP layer (index from config) is present and complete, ``eh_proj`` unquantized.
+- ``sensitive``: routers and other sensitive modules unquantized; model-specific loader rows.
+- ``scale``: no NaN / Inf / non-positive scale value, no 0x7F / 0xFF e4m3 byte (FC-11).
+"""
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from formats.checkpoint import INDEX_NAME, load_index, read_all_headers
+from formats.engines import (ENGINES, FORMAT_SUPPORT, MODEL_RULES, MODELOPT_REQUIRED_KEYS,
+                             align_violations)
+from formats.shards import ShardReader, TensorInfo, read_header
+from quantize import archs
+
+__all__ = ["Finding", "check_build"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: ``level`` error (the engine will refuse or compute garbage) or warning."""
+
+    level: str
+    rule: str
+    message: str
+    tensor: str | None = None
+
+    def render(self) -> str:
+        where = f" {self.tensor}:" if self.tensor else ""
+        return f"{self.level.upper()} [{self.rule}]{where} {self.message}"
+
+
+@dataclass
+class _Module:
+    name: str
+    kind: str  # nvfp4 | fp8-block | mxfp8 | unquantized | broken
+    shape: tuple[int, int] | None  # logical [N, K]
+    tensors: dict[str, TensorInfo]
+
+
+def _classify(name: str, t: dict[str, TensorInfo], fmt: str) -> tuple[_Module, list[str]]:
+    """Kind and logical shape of a module from its tensors (by local name); problems found."""
+    w = t.get("weight_packed") or t.get("weight")
+    s = t.get("weight_scale")
+    problems = []
+    if w is None:
+        return _Module(name, "broken", None, t), [f"has {sorted(t)} but no weight"]
+    if w.dtype == "U8":
+        scalar = "weight_global_scale" if fmt == "compressed-tensors" else "weight_scale_2"
+        want_scalar = (1,) if fmt == "compressed-tensors" else ()
+        n, half = w.shape
+        shape = (n, half * 2)
+        packed_name = "weight_packed" if fmt == "compressed-tensors" else "weight"
+        if t.get(packed_name) is not w:
+            problems.append(f"packed NVFP4 weight named {w.name.rsplit('.', 1)[-1]} in a {fmt} build "
+                            f"(expected {packed_name})")
+        if s is None or s.dtype != "F8_E4M3" or s.shape != (n, shape[1] // 16):
+            problems.append(f"needs weight_scale F8_E4M3 {[n, shape[1] // 16]}, has "
+                            f"{(s.dtype, list(s.shape)) if s else None}")
+        g = t.get(scalar)
+        if g is None or g.dtype != "F32" or g.shape != want_scalar:
+            problems.append(f"needs {scalar} F32 {list(want_scalar)}, has {(g.dtype, list(g.shape)) if g else None}")
+        return _Module(name, "nvfp4", shape, t), problems
+    if w.dtype == "F8_E4M3":
+        shape = tuple(w.shape)
+        if len(shape) != 2:
+            return _Module(name, "broken", None, t), [f"FP8 weight is {len(shape)}-D"]
+        n, k = shape
+        if s is not None and s.dtype == "U8":
+            if s.shape != (n, k // 32) or k % 32:
+                problems.append(f"MXFP8 weight_scale {list(s.shape)} does not fit weight {n}x{k}")
+            return _Module(name, "mxfp8", shape, t), problems
+        if s is not None and s.dtype in ("F32", "BF16") and s.shape == (-(-n // 128), -(-k // 128)):
+            return _Module(name, "fp8-block", shape, t), problems
+        return _Module(name, "broken", shape, t), [
+            f"FP8 weight without a 128x128 block weight_scale or e8m0 scale (has {sorted(t)})"]
+    if len(w.shape) == 2:
+        return _Module(name, "unquantized", tuple(w.shape), t), problems
+    return _Module(name, "other", tuple(w.shape), t), problems
+
+
+def _modules(infos: dict[str, TensorInfo], fmt: str, out: list) -> dict[str, _Module]:
+    grouped: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in infos.items():
+        if name.endswith("_scale_inv"):
+            out.append(Finding("error", "layout", "source scale sidecar left in the build (FC-03)", name))
+            continue
+        if "." not in name:
+            continue
+        mod, local = name.rsplit(".", 1)
+        if local in ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2",
+                     "input_scale", "input_global_scale"):
+            grouped.setdefault(mod, {})[local] = info
+    mods = {}
+    for mod, t in grouped.items():
+        m, problems = _classify(mod, t, fmt)
+        mods[mod] = m
+        for p in problems:
+            out.append(Finding("error", "layout", p, mod))
+    return mods
+
+
+# ---- target matching (engine semantics) --------------------------------------------------
+def _ct_match(target: str, module: str) -> bool:
+    """compressed-tensors / vLLM target: exact name, ``re:`` (re.match), or the class
+    ``Linear`` (any module with a 2-D weight here)."""
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == module or target == "Linear"
+
+
+def _mo_excluded(module: str, excludes: list[str]) -> bool:
+    """vLLM ModelOpt ``is_layer_excluded``: exact, legacy substring, fnmatch wildcards."""
+    stripped = module.replace("language_model.", "", 1)
+    for e in excludes:
+        if e == module or e in module or e in stripped or fnmatch.fnmatch(module, e):
+            return True
+    return False
+
+
+def _check_ct(qc: dict, mods: dict[str, _Module], engine: str, out: list) -> set[str]:
+    if qc.get("quantization_status") != "compressed":
+        out.append(Finding("error", "config", f"quantization_status is {qc.get('quantization_status')!r}, "
+                           "expected 'compressed'", "config.json"))
+    groups = qc.get("config_groups") or {}
+    ignore = qc.get("ignore") or []
+    kinds = {m.kind for m in mods.values() if m.kind in ("nvfp4", "fp8-block", "mxfp8")}
+    fmt = qc.get("format")
+    want_fmt = {"nvfp4": "nvfp4-pack-quantized", "fp8-block": "float-quantized", "mxfp8": "mxfp8-quantized"}
+    expect = "mixed-precision" if len(kinds) > 1 else want_fmt[kinds.pop()] if kinds else fmt
+    if fmt != expect:
+        out.append(Finding("error", "config", f"format {fmt!r} but the tensors need {expect!r}", "config.json"))
+    _support(engine, "compressed-tensors", fmt, out)
+    if engine == "trtllm" and fmt == "mixed-precision" and any(
+            not t.startswith("re:") and "." not in t for g in groups.values() for t in g.get("targets", [])):
+        out.append(Finding("error", "config", "TRT-LLM rejects class-name targets in mixed configs",
+                           "config.json"))
+    ignored = set()
+    for m in mods.values():
+        if m.kind in ("other", "broken"):
+            continue
+        is_ignored = any(_ct_match(e, m.name) for e in ignore if e != "Linear")
+        if is_ignored:
+            ignored.add(m.name)
+        if m.kind == "unquantized":
+            if not is_ignored:
+                out.append(Finding("error", "ignore", "unquantized Linear weight not in ignore; the engine "
+                                   "would expect packed tensors (FC-15)", m.name))
+            continue
+        if is_ignored:
+            out.append(Finding("error", "ignore", f"{m.kind} module listed in ignore", m.name))
+            continue
+        claimed = [g for g in groups.values() if any(_ct_match(t, m.name) for t in g.get("targets", []))]
+        exact = [g for g in claimed if any(t == m.name or t.startswith("re:") for t in g.get("targets", []))]
+        claimed = exact or claimed
+        fmts = {g.get("format") or fmt for g in claimed}
+        if fmts != {want_fmt[m.kind]}:
+            out.append(Finding("error", "ignore", f"{m.kind} module claimed by config groups with formats "
+                               f"{sorted(map(str, fmts))}", m.name))
+    return ignored
+
+
+def _support(engine: str, fmt: str, algo: str, out: list) -> None:
+    rows = [r for r in FORMAT_SUPPORT if r.engine == engine and r.fmt == fmt and r.algo == algo]
+    if not rows:
+        out.append(Finding("error", "config", f"{engine} has no loader for {fmt} {algo}", "config.json"))
+    elif rows[0].level != "ok":
+        out.append(Finding(rows[0].level, "config", f"{engine} and {fmt} {algo}: {rows[0].source}",
+                           "config.json"))
+
+
+def _check_modelopt(folder: Path, qc: dict, mods: dict[str, _Module], engine: str, out: list) -> set[str]:
+    path = folder / "hf_quant_config.json"
+    if not path.is_file():
+        out.append(Finding("error", "config", "ModelOpt build without hf_quant_config.json", path.name))
+        return set()
+    q = json.loads(path.read_text()).get("quantization") or {}
+    for key in MODELOPT_REQUIRED_KEYS[engine]:
+        if key not in q:
+            out.append(Finding("error", "config", f"{engine} requires quantization.{key}", path.name))
+    if not str(qc.get("quant_method", "")).startswith("modelopt"):
+        out.append(Finding("error", "config", "config.json quantization_config.quant_method is not "
+                           "modelopt", "config.json"))
+    if "ignore" not in qc:
+        out.append(Finding("error", "config", "config.json quantization_config has no 'ignore' (the key "
+                           "engines read; FC-25)", "config.json"))
+    elif set(qc["ignore"]) != set(q.get("exclude_modules") or []):
+        out.append(Finding("error", "config", "config.json ignore differs from hf_quant_config "
+                           "exclude_modules (FC-25)", "config.json"))
+    algo = q.get("quant_algo")
+    if qc.get("quant_algo") != algo:
+        out.append(Finding("error", "config", f"quant_algo {qc.get('quant_algo')!r} in config.json vs "
+                           f"{algo!r} in hf_quant_config.json", "config.json"))
+    _support(engine, "modelopt", algo, out)
+    excludes = q.get("exclude_modules") or []
+    layers = q.get("quantized_layers") or {}
+    algo_kind = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8_PB_WO": "fp8-block", "MXFP8": "mxfp8"}
+    ignored = set()
+    for m in mods.values():
+        if m.kind in ("other", "broken"):
+            continue
+        ex = _mo_excluded(m.name, excludes)
+        if ex:
+            ignored.add(m.name)
+        if m.kind == "unquantized":
+            if not ex:
+                out.append(Finding("error", "ignore", "unquantized Linear weight not in exclude_modules "
+                                   "(FC-15)", m.name))
+            if m.name in layers:
+                out.append(Finding("error", "ignore", "unquantized module listed in quantized_layers", m.name))
+            continue
+        if ex:
+            out.append(Finding("error", "ignore", f"{m.kind} module matched by exclude_modules (vLLM exact / "
+                               "substring / wildcard matching)", m.name))
+        got = algo_kind.get(layers[m.name]["quant_algo"]) if algo == "MIXED_PRECISION" and m.name in layers \
+            else algo_kind.get(algo)
+        if got != m.kind:
+            out.append(Finding("error", "ignore", f"{m.kind} tensors but the config says "
+                               f"{layers.get(m.name, {}).get('quant_algo', algo)}", m.name))
+        if m.kind == "nvfp4" and algo == "NVFP4" and "input_scale" not in m.tensors:
+            out.append(Finding("error", "layout", "quant_algo NVFP4 (W4A4) needs input_scale", m.name))
+    if algo in ("NVFP4", "W4A16_NVFP4") and q.get("group_size") != 16:
+        out.append(Finding("error", "config", f"group_size {q.get('group_size')!r}, NVFP4 needs 16", path.name))
+    return ignored
+
+
+# ---- structure ---------------------------------------------------------------------------
+def _scalar(reader: ShardReader, info: TensorInfo) -> float:
+    return float(reader.get(info.shard, info.name).to(torch.float32).reshape(-1)[0])
+
+
+def _check_groups(mods: dict[str, _Module], reader: ShardReader, fmt: str, out: list) -> None:
+    names = {m for m in mods if mods[m].kind not in ("other", "broken")}
+    seen = set()
+    for mod in sorted(names):
+        grp = archs.fused_group_of(mod, names)
+        if grp is None or grp[0] in seen:
+            continue
+        gid, members = grp
+        seen.add(gid)
+        kinds = {m: mods[m].kind for m in members}
+        if len(set(kinds.values())) > 1:
+            out.append(Finding("error", "fused-group", "members differ: " + ", ".join(
+                f"{m.rsplit('.', 1)[-1]}={k}" for m, k in kinds.items()), gid))
+            continue
+        if set(kinds.values()) == {"nvfp4"}:
+            key = "weight_global_scale" if fmt == "compressed-tensors" else "weight_scale_2"
+            vals = {m: _scalar(reader, mods[m].tensors[key]) for m in members}
+            if len(set(vals.values())) > 1:
+                out.append(Finding("error", "fused-group", f"{key} differs across members " + ", ".join(
+                    f"{m.rsplit('.', 1)[-1]}={v:.9g}" for m, v in vals.items())
+                    + " (engines take one; FC-06/FC-07)", gid))
+    layers: dict[str, set] = {}
+    for mod in names:
+        m = re.match(r"^(.*\.experts)\.\d+\.[^.]+$", mod)
+        if m:
+            layers.setdefault(m.group(1), set()).add(mods[mod].kind)
+    for prefix, kinds in sorted(layers.items()):
+        if len(kinds) > 1:
+            out.append(Finding("error", "fused-group", f"routed experts mix {sorted(kinds)}; engines load one "
+                               "scheme per MoE layer", prefix))
+
+
+def _check_mtp(config: dict, infos: dict[str, TensorInfo], mods: dict[str, _Module], out: list) -> None:
+    for idx in archs.mtp_layer_indices(config):
+        pat = re.compile(rf"(^|\.)layers\.{idx}\.")
+        names = [n for n in infos if pat.search(n)]
+        if not names:
+            out.append(Finding("error", "mtp", f"MTP layer {idx} (num_hidden_layers + k from config) is "
+                               "missing (FC-18)", f"layers.{idx}"))
+            continue
+        prefix = names[0][: pat.search(names[0]).end()]
+        need = ["eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"]
+        missing = [x for x in need if prefix + x not in infos]
+        if not any(n.startswith(prefix + "self_attn.") for n in names):
+            missing.append("self_attn.*")
+        if not any(n.startswith(prefix + "mlp.") for n in names):
+            missing.append("mlp.*")
+        if missing:
+            out.append(Finding("error", "mtp", f"MTP layer incomplete, missing {missing} (FC-18)", prefix[:-1]))
+        eh = mods.get(prefix + "eh_proj")
+        if eh is not None and eh.kind != "unquantized":
+            out.append(Finding("error", "mtp", "eh_proj must stay unquantized (engines build it as a plain "
+                               "nn.Linear)", eh.name))
+
+
+def _check_sensitive(config: dict, mods: dict[str, _Module], infos: dict, engine: str, out: list) -> None:
+    names = set(infos)
+    modules = {m.name for m in mods.values() if m.kind not in ("other", "broken")}
+    model_type = config.get("model_type", "")
+    hits: dict = {}
+    for m in mods.values():
+        if m.kind in ("unquantized", "other", "broken") or m.shape is None:
+            continue
+        role = archs.sensitive_role(m.name, m.shape, config, names)
+        if role in ("router", "mtp_eh_proj", "embedding"):
+            out.append(Finding("error", "sensitive", f"{role} is quantized; engines build it unquantized", m.name))
+        roles = archs.module_roles(m.name, modules, config)
+        for r in MODEL_RULES:
+            if r.engine == engine and r.model_type == model_type and r.role in roles:
+                hits.setdefault(r, []).append(m.name)
+    for r, names_hit in hits.items():
+        out.append(Finding(r.level, "sensitive", f"{len(names_hit)} {r.role} Linear(s) quantized: "
+                           f"{r.source}", names_hit[0]))
+
+
+def _check_align(mods: dict[str, _Module], engine: str, tp: int, out: list) -> None:
+    modules = {m.name for m in mods.values()}
+    for m in mods.values():
+        if m.kind not in ("nvfp4", "fp8-block", "mxfp8"):
+            continue
+        moe = "routed_expert" in archs.module_roles(m.name, modules)
+        for why in align_violations(engine, m.kind, m.shape, archs.tp_split(m.name), tp, moe):
+            out.append(Finding("error", "align", why, m.name))
+
+
+def _check_scales(mods: dict[str, _Module], reader: ShardReader, out: list) -> None:
+    for m in mods.values():
+        for local in ("weight_scale", "weight_global_scale", "weight_scale_2", "input_scale",
+                      "input_global_scale"):
+            info = m.tensors.get(local)
+            if info is None or m.kind == "unquantized":
+                continue
+            t = reader.get(info.shard, info.name)
+            if t.dtype == torch.float8_e4m3fn:
+                bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+                if bad:
+                    out.append(Finding("error", "scale", f"{bad} NaN e4m3 byte(s) (0x7F/0xFF) (FC-11)", info.name))
+            elif t.dtype != torch.uint8:
+                f = t.to(torch.float32)
+                bad = int((~torch.isfinite(f) | (f <= 0)).sum())
+                if bad:
+                    out.append(Finding("error", "scale", f"{bad} NaN, Inf or non-positive value(s)", info.name))
+
+
+def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scales: bool = True) -> list[Finding]:
+    """Findings for the build in ``folder`` as ``engine`` would load it with ``tp`` ranks.
+
+    Reads config.json, hf_quant_config.json, the index, every shard header, and (with
+    ``scan_scales``) the scale tensors; never a weight.
+
+    Returns:
+        findings, errors first; an empty list means the build is clean.
+
+    Raises:
+        ValueError: unknown engine or tp < 1.
+        SourceError: unreadable index, missing shard or malformed header.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r} (valid: {', '.join(ENGINES)})")
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    folder = Path(folder)
+    out: list[Finding] = []
+    config = json.loads((folder / "config.json").read_text())
+    weight_map = load_index(folder)
+    infos = read_all_headers(folder, weight_map)
+    for shard in sorted(set(weight_map.values())):
+        for name in read_header(folder / shard):
+            if weight_map.get(name) != shard:
+                out.append(Finding("error", "layout", f"in shard {shard} but not in {INDEX_NAME} (FC-21)", name))
+    qc = config.get("quantization_config") or {}
+    if isinstance(config.get("text_config"), dict) and "quantization_config" in config["text_config"]:
+        out.append(Finding("error", "config", "text_config still carries the source quantization_config",
+                           "config.json"))
+    method = qc.get("quant_method")
+    fmt = "compressed-tensors" if method == "compressed-tensors" else \
+        "modelopt" if str(method).startswith("modelopt") else None
+    if fmt is None:
+        out.append(Finding("error", "config", f"quantization_config.quant_method is {method!r}: not an "
+                           "NVFP4 build (the source FP8 config must be replaced)", "config.json"))
+        return out
+    mods = _modules(infos, fmt, out)
+    reader = ShardReader(folder, max_open=2)
+    try:
+        if fmt == "compressed-tensors":
+            _check_ct(qc, mods, engine, out)
+        else:
+            _check_modelopt(folder, qc, mods, engine, out)
+        _check_groups(mods, reader, fmt, out)
+        _check_mtp(config, infos, mods, out)
+        _check_sensitive(config, mods, infos, engine, out)
+        _check_align(mods, engine, tp, out)
+        if scan_scales:
+            _check_scales(mods, reader, out)
+    finally:
+        reader.close()
+    return sorted(out, key=lambda f: (f.level != "error", f.rule, f.tensor or ""))

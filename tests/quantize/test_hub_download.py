@@ -1,0 +1,263 @@
+"""``quantize nvfp4 --src ORG/NAME``: the real CLI and the real huggingface_hub client against a
+local Hub endpoint (tests/hub_server.py), with HF_ENDPOINT / HF_HOME / HF_TOKEN / HF_HUB_OFFLINE
+set in the child's environment as a user would."""
+
+import hashlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from formats.sources import ShardFiles
+from quantize import budget
+from quantize.errors import OutputError
+from quantize.kernels.fp8 import quantize_fp8_block
+from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
+from quantize.pipeline import convert
+from tests.hub_server import FakeHub, client_env, run_quantize
+
+REPO = "org/tiny-fp8"
+TOKEN = "hf_test_token"
+SHARDS = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+
+
+def layered_fp8(folder: Path, layers: int = 4, h: int = 256, inter: int = 512, kv: int = 128,
+                vocab: int = 512) -> Path:
+    """A llama-shaped block-FP8 checkpoint laid out like the DeepSeek / GLM releases: tensors in
+    layer order, one shard per layer, each cut between ``mlp.gate_proj.weight`` and its
+    ``weight_scale_inv`` so every shard needs the next one (scale sidecar and the gate/up fused
+    group's amax) — the cross-shard case a streaming download has to hold two shards for."""
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    t = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g).bfloat16()}
+    order = ["model.embed_tokens.weight"]
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        t[f"{p}.input_layernorm.weight"] = torch.ones(h).bfloat16()
+        t[f"{p}.post_attention_layernorm.weight"] = torch.ones(h).bfloat16()
+        for m, shape in [("mlp.down_proj", (h, inter)), ("mlp.gate_proj", (inter, h)),
+                         ("mlp.up_proj", (inter, h)), ("self_attn.k_proj", (kv, h)),
+                         ("self_attn.o_proj", (h, h)), ("self_attn.q_proj", (h, h)),
+                         ("self_attn.v_proj", (kv, h))]:
+            q, s = quantize_fp8_block(torch.randn(*shape, generator=g) * 0.05)
+            t[f"{p}.{m}.weight"], t[f"{p}.{m}.weight_scale_inv"] = q, s
+        order += sorted(n for n in t if n.startswith(p + "."))
+    t["model.norm.weight"] = torch.ones(h).bfloat16()
+    order.append("model.norm.weight")
+    cuts = [order.index(f"model.layers.{i}.mlp.gate_proj.weight_scale_inv") for i in range(layers - 1)]
+    bounds = [0, *cuts, len(order)]
+    weight_map = {}
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        name = f"model-{i + 1:05d}-of-{len(bounds) - 1:05d}.safetensors"
+        save_file({k: t[k].contiguous() for k in order[a:b]}, str(folder / name),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(order[a:b], name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": vocab, "tie_word_embeddings": True,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}))
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# tiny FP8\n")
+    return folder
+
+
+def _full_gets(log: list[dict]) -> list[str]:
+    return [e["file"] for e in log if e.get("full") and e["file"].endswith(".safetensors")]
+
+
+def test_stream_within_two_shards_and_resume_after_kill(tmp_path):
+    src = layered_fp8(tmp_path / "src")
+    sizes = {s: (src / s).stat().st_size for s in SHARDS}
+    two_largest = sum(sorted(sizes.values())[-2:])
+    hf_home, out = tmp_path / "hf", tmp_path / "out"
+    with FakeHub(token=TOKEN) as hub:
+        commit = hub.serve_folder(REPO, src, private=True, card_data={"license": "mit"})
+        hub.watch = hf_home
+        env = client_env(hub, hf_home, HF_TOKEN=TOKEN)
+        args = ["nvfp4", "--src", REPO, "--out", str(out), "--quiet", "--device", "cpu"]
+        # Run 1 is killed (SIGKILL, no cleanup) when it asks for shard 3: shard 1 is converted,
+        # shard 2 was fetched as shard 1's partner and is not converted yet.
+        rc, _, err = run_quantize(args, env, hub,
+                               kill_on=lambda ev: ev.get("full") and ev["file"] == SHARDS[2])
+        assert rc == -signal.SIGKILL, err
+        assert _full_gets(hub.log) == SHARDS[:3]
+        ledger = json.loads((out / PROGRESS_NAME).read_text())
+        assert sorted(ledger["shards"]) == [SHARDS[0]]
+        state = json.loads((out / ".spark-quant-hub.json").read_text())
+        assert state["commit"] == commit and set(state["fetched"]) == set(SHARDS[:3])
+        blobs = hf_home / "hub" / "models--org--tiny-fp8" / "blobs"
+        cached = {p.name for p in blobs.iterdir()}
+        sha = {s: hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
+        assert sha[SHARDS[0]] not in cached and sha[SHARDS[1]] in cached  # 1 deleted, 2 kept
+
+        n = len(hub.log)
+        rc, stdout, err = run_quantize(args + ["--resume"], env, hub)
+        assert rc == 0, err
+        # Shard 1 (finished) and shard 2 (still cached) are not downloaded again; the gate/up
+        # group split over shards 1|2 takes its amax from the resume ledger.
+        assert _full_gets(hub.log[n:]) == SHARDS[2:]
+        assert "1 resumed" in stdout
+
+        # Peak source bytes on disk, sampled by the server from the cache folder at each shard
+        # download: never more than the two largest shards, and two at once (partner held).
+        peak = max(s["on_disk"] + s["size"] for s in hub.samples)
+        assert peak <= two_largest
+        assert peak > max(sizes.values())
+        assert hub.blob_bytes() == 0  # every downloaded shard deleted after use
+        assert not (out / ".spark-quant-hub.json").exists() and not (out / PROGRESS_NAME).exists()
+
+    man = json.loads((out / MANIFEST_NAME).read_text())
+    assert man["source"]["repo"] == REPO and man["source"]["commit"] == commit
+    assert man["source"]["license"] == "mit"
+    assert {s: man["source"]["files"][s]["sha256"] for s in SHARDS} == sha
+    # Byte-identical to converting the same checkpoint from a local folder in one go.
+    ref = tmp_path / "ref"
+    convert(src, ref, progress=False, device="cpu")
+    for name in [*SHARDS, "config.json", "model.safetensors.index.json", "tokenizer_config.json"]:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def test_offline_private_and_missing_shard(tmp_path):
+    src = layered_fp8(tmp_path / "src")
+    hf_home = tmp_path / "hf"
+    with FakeHub(token=TOKEN) as hub:
+        commit = hub.serve_folder(REPO, src, private=True, card_data={"license": "mit"})
+        # Private repo without HF_TOKEN: refused before anything is downloaded.
+        rc, _, err = run_quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o0")],
+                               client_env(hub, hf_home), hub)
+        assert rc == 1 and "HF_TOKEN" in err and REPO in err
+        # Fill the cache with huggingface_hub (as `hf download` would), then go offline.
+        fill = ("import sys; from huggingface_hub import hf_hub_download as d; "
+                f"[d({REPO!r}, f) for f in sys.argv[1:]]")
+        subprocess.run([sys.executable, "-c", fill, *sorted(p.name for p in src.iterdir())],
+                       env=client_env(hub, hf_home, HF_TOKEN=TOKEN), check=True)
+        blobs_before = sorted(p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir())
+        n = len(hub.log)
+        env = client_env(hub, hf_home, HF_HUB_OFFLINE="1")
+        rc, _, err = run_quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o1"), "--quiet",
+                                "--device", "cpu"], env, hub)
+        assert rc == 0, err
+        assert hub.log[n:] == []  # not one request
+        blobs_after = sorted(p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir())
+        assert blobs_after == blobs_before  # the user's cache is never deleted
+        man = json.loads((tmp_path / "o1" / MANIFEST_NAME).read_text())["source"]
+        assert (man["repo"], man["commit"], man["offline"], man["license"]) == (REPO, commit, True, "mit")
+        # An incomplete cache offline: stop before converting, naming the missing shard.
+        (hf_home / "hub/models--org--tiny-fp8/snapshots" / commit / SHARDS[1]).unlink()
+        rc, _, err = run_quantize(["nvfp4", "--src", REPO, "--out", str(tmp_path / "o2")], env, hub)
+        assert rc == 1 and SHARDS[1] in err and "offline" in err
+        assert hub.log[n:] == []
+
+
+def test_predicted_output_bytes_match_the_build(tmp_path):
+    from formats.sources import open_source
+    from quantize.plan import plan_tensors, predict_outputs
+    from quantize.recipe import load_recipe
+
+    src = layered_fp8(tmp_path / "src")
+    source = open_source(src)
+    outputs = predict_outputs(source, plan_tensors(source, load_recipe("weight-only")), "compressed-tensors")
+    predicted = budget.predicted_output_bytes(source, outputs)
+    summary = convert(src, tmp_path / "out", progress=False, device="cpu")
+    assert predicted == summary.bytes_out  # index total_size: tensor bytes actually written
+
+
+class _ToFetch(ShardFiles):
+    def to_fetch(self):
+        return {"a": 3 * 2**30, "b": 5 * 2**30, "c": 4 * 2**30}
+
+
+def test_free_disk_check_stops_with_the_numbers(tmp_path, monkeypatch):
+    free = {"v": 10 * 2**30}
+    monkeypatch.setattr(budget.shutil, "disk_usage",
+                        lambda p: shutil._ntuple_diskusage(100 * 2**30, 0, free["v"]))
+    # output 2 GiB + the two largest shards still to download (5 + 4 GiB) on one filesystem
+    with pytest.raises(OutputError) as e:
+        budget.check_free_disk(tmp_path / "out", 2 * 2**30, _ToFetch(tmp_path))
+    assert str(e.value).startswith(f"not enough free disk on the filesystem of {tmp_path}: need "
+                                   "11.00 GiB (output 2.00 GiB + 2 largest source shards to "
+                                   "download 9.00 GiB), free 10.00 GiB.")
+    free["v"] = 11 * 2**30
+    budget.check_free_disk(tmp_path / "out", 2 * 2**30, _ToFetch(tmp_path))  # fits exactly
+    # convert() runs the check before the first shard and writes nothing.
+    free["v"] = 2**20
+    src = layered_fp8(tmp_path / "src")
+    with pytest.raises(OutputError, match=r"need 1\.5 MiB \(output 1\.5 MiB\), free 1\.0 MiB"):
+        convert(src, tmp_path / "o", progress=False, device="cpu")
+    assert not list((tmp_path / "o").glob("*.safetensors"))
+
+
+class _Recording(ShardFiles):
+    """Local shards, recording when the converter first needs each one and releases it."""
+
+    def __init__(self, folder: Path):
+        super().__init__(folder)
+        self.events, self.held = [], set()
+
+    def path(self, shard: str) -> Path:
+        if shard not in self.held:
+            self.held.add(shard)
+            self.events.append(("fetch", shard[10]))
+        return super().path(shard)
+
+    def release(self, shard: str) -> None:
+        if shard in self.held:
+            self.held.discard(shard)
+            self.events.append(("release", shard[10]))
+
+
+def test_stream_releases_each_shard_after_its_last_reader(tmp_path):
+    from formats.sources import open_source
+
+    files = _Recording(layered_fp8(tmp_path / "src"))
+    convert(open_source(files.folder, files), tmp_path / "out", progress=False, device="cpu")
+    # Shard i needs shard i+1 (gate scale and up_proj); it is released as soon as shard i is
+    # written, before shard i+2 is fetched: never more than two shards held.
+    assert files.events == [("fetch", "1"), ("fetch", "2"), ("release", "1"), ("fetch", "3"),
+                            ("release", "2"), ("fetch", "4"), ("release", "3"), ("release", "4")]
+
+
+class _CrashAt(ShardFiles):
+    """Local shards; the first read of ``crash`` raises, like a run killed mid-build."""
+
+    def __init__(self, folder: Path, crash: str):
+        super().__init__(folder)
+        self.crash = crash
+
+    def path(self, shard: str) -> Path:
+        if shard == self.crash:
+            raise RuntimeError("interrupted")
+        return super().path(shard)
+
+
+def test_resume_reuses_only_amax_of_unchanged_source_shards(tmp_path):
+    from safetensors.torch import load_file
+
+    from formats.sources import open_source
+
+    src = layered_fp8(tmp_path / "src")
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="interrupted"):  # shard 1 done, killed in shard 2
+        convert(open_source(src, _CrashAt(src, SHARDS[2])), out, progress=False, device="cpu")
+    ledger = json.loads((out / PROGRESS_NAME).read_text())
+    up0 = "model.layers.0.mlp.up_proj.weight"  # in shard 2, fused with gate_proj in shard 1
+    assert up0 in ledger["amax"][SHARDS[1]]["values"]
+    # Shard 2 changes (up_proj of layer 0 doubled) before the resume: its recorded amax must not
+    # be reused, or the gate/up global scale of layer 0 would come from the old bytes.
+    t = load_file(str(src / SHARDS[1]))
+    t[up0 + "_scale_inv"] = t[up0 + "_scale_inv"] * 2
+    save_file(t, str(src / SHARDS[1]), metadata={"format": "pt"})
+    convert(src, out, resume=True, progress=False, device="cpu")
+    ref = tmp_path / "ref"
+    convert(src, ref, progress=False, device="cpu")
+    for name in SHARDS:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name

@@ -1,0 +1,202 @@
+"""``quantize upload``: gate, card and resumable upload, with the real huggingface_hub client
+talking to the local Hub endpoint (tests/hub_server.py). The endpoint speaks LFS, not Xet, so
+the child runs with HF_HUB_DISABLE_XET=1 (huggingface_hub's own switch)."""
+
+import hashlib
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from quantize import cli
+from quantize.card import render_card, validate_card
+from quantize.errors import CardError, GateFailed
+from quantize.pipeline import convert
+from quantize.upload import upload_build
+from tests.hub_server import FakeHub, client_env, run_quantize
+
+TOKEN = "hf_test_token"
+REPORT = {"gate": {"passed": True, "reason": "all checks within thresholds"},
+          "results": {"kl": {"mean_kl": 0.0123, "top1_agreement": 0.971,
+                             "dataset": {"type": "baber/paul_graham_essays",
+                                         "name": "Paul Graham essays"}},
+                      "gsm8k": {"exact_match,strict-match": 0.42}}}
+PLAN = {"fit": [{"setup": "1x DGX Spark", "weights GiB": 0.01, "KV tokens": 500000, "fits": "yes"}]}
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory) -> Path:
+    """A finished build of a 3-shard FP8 checkpoint from the Hub repo org/tiny-fp8 (MIT), with
+    a passed eval gate and a fit plan."""
+    from tests.quantize.test_hub_download import layered_fp8
+
+    tmp = tmp_path_factory.mktemp("up")
+    out = tmp / "build"
+    convert(layered_fp8(tmp / "src", layers=3), out, progress=False, device="cpu",
+            source_info={"repo": "org/tiny-fp8", "commit": "c0ffee" * 6 + "c0ff",
+                         "license": "mit"})
+    (out / "eval").mkdir()
+    (out / "eval" / "report.json").write_text(json.dumps(REPORT))
+    (out / "plan.json").write_text(json.dumps(PLAN))
+    return out
+
+
+def _upload(args: list[str], hub: FakeHub, tmp: Path, kill_on=None):
+    env = client_env(hub, tmp / "hf", HF_TOKEN=TOKEN, HF_HUB_DISABLE_XET="1")
+    return run_quantize(["upload", *args], env, hub, kill_on=kill_on, timeout=180)
+
+
+def _sent(log: list[dict]) -> list[dict]:
+    """Requests that create, upload or commit anything."""
+    return [e for e in log if e["method"] == "PUT" or "/preupload/" in e["path"]
+            or "/commit/" in e["path"] or "lfs/objects" in e["path"] or "repos/create" in e["path"]]
+
+
+def test_upload_publishes_build_then_card(build, tmp_path):
+    with FakeHub(token=TOKEN) as hub:
+        rc, out, err = _upload([str(build), "--repo", "me/tiny-nvfp4", "--private",
+                                "--revision", "spark"], hub, tmp_path)
+        assert rc == 0, err
+        repo = hub.repos["me/tiny-nvfp4"]
+        head = repo.branches["spark"]
+        assert out.strip().splitlines()[-1] == f"committed: {hub.url}/me/tiny-nvfp4/commit/{head}"
+        assert repo.private and repo.files("main") == {}  # only the branch got the build
+        files = repo.files("spark")
+        local = {p.relative_to(build).as_posix() for p in build.rglob("*") if p.is_file()}
+        assert set(files) == local  # README.md replaced by the card, nothing hidden
+        for rel in local - {"README.md"}:
+            assert files[rel].read() == (build / rel).read_bytes(), rel
+        card = files["README.md"].read().decode()
+        # The card went last, in its own commit, after the Hub had checked it.
+        posts = [e["path"] for e in hub.log if e["method"] == "POST"]
+        assert posts[0] == "/api/validate-yaml" and posts[-1].endswith("/commit/spark")
+    meta = validate_card(card)
+    assert (meta["base_model"], meta["base_model_relation"], meta["license"]) == \
+        ("org/tiny-fp8", "quantized", "mit")
+    assert {"nvfp4", "compressed-tensors", "dgx-spark", "llama"} <= set(meta["tags"])
+    results = meta["model-index"][0]["results"]
+    got = {(r["task"]["name"], m["type"], m["value"]) for r in results for m in r["metrics"]}
+    assert got == {("gsm8k", "exact_match,strict-match", 0.42), ("kl", "mean_kl", 0.0123),
+                   ("kl", "top1_agreement", 0.971)}
+    assert "| 1x DGX Spark | 0.01 | 500000 | yes |" in card
+    assert "| `model.layers.*.mlp.gate_proj` | NVFP4 (e2m1, e4m3 block scale / 16, f32 global scale) | 3 |" in card
+    assert "| `model.embed_tokens` | kept as in the source | 1 |" in card
+    assert "Eval gate: **passed**." in card
+
+
+def test_interrupted_upload_resends_only_what_is_missing(build, tmp_path):
+    shards = sorted(build.glob("*.safetensors"))
+    oids = {hashlib.sha256(p.read_bytes()).hexdigest() for p in shards}
+    last = hashlib.sha256(shards[-1].read_bytes()).hexdigest()
+
+    def kill_on(ev):  # SIGKILL when the last shard's PUT arrives, once the others are stored
+        if ev.get("arrived") != last:
+            return False
+        deadline = time.monotonic() + 30
+        while len(hub.lfs) < len(oids) - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return True
+
+    with FakeHub(token=TOKEN) as hub:
+        args = [str(build), "--repo", "me/tiny-nvfp4"]
+        rc, _, err = _upload(args, hub, tmp_path, kill_on=kill_on)
+        assert rc == -signal.SIGKILL, err
+        first = set(hub.lfs)
+        assert first == oids - {last}
+        assert hub.repos["me/tiny-nvfp4"].files() == {}  # nothing committed
+        n = len(hub.log)
+        rc, _, err = _upload(args, hub, tmp_path)
+        assert rc == 0, err
+        resent = {e["stored"] for e in hub.log[n:] if e.get("stored")}
+        assert resent == oids - first  # only the missing objects travel again
+        files = hub.repos["me/tiny-nvfp4"].files()
+        for p in shards:
+            assert files[p.name].read() == p.read_bytes()
+
+
+def test_fc33_invalid_card_stops_before_any_byte(build, tmp_path):
+    with FakeHub(token=TOKEN) as hub:
+        rc, _, err = _upload([str(build), "--repo", "me/x", "--license", "foo"], hub, tmp_path)
+        assert rc == 1 and "license: 'foo' is not a Hub license identifier" in err
+        assert hub.log == []  # checked locally: not one request
+        # A card that passes our checks but not the Hub's: stopped after validate-yaml only.
+        hub.reject_yaml = "\"base_model\" must reference a model on the Hub"
+        rc, _, err = _upload([str(build), "--repo", "me/x"], hub, tmp_path)
+        assert rc == 1 and "the Hub rejected the card's metadata" in err
+        assert "must reference a model on the Hub" in err
+        assert _sent(hub.log) == [] and "me/x" not in hub.repos
+
+
+CARD = """---
+base_model: {base}
+base_model_relation: quantized
+license: {license}
+library_name: transformers
+pipeline_tag: text-generation
+tags: [nvfp4]
+{extra}---
+# card
+"""
+
+
+@pytest.mark.parametrize("base,license,extra,key,message", [
+    ("org/src", "mit", "model-index: not correct\n", "model-index", "model-index: invalid"),
+    ("null", "mit", "", "base_model", "base_model: missing"),
+    ("org/src", "foo", "", "license", "license: 'foo' is not a Hub license identifier"),
+    ("not a repo", "mit", "", "base_model", "base_model: 'not a repo' is not a Hub repo id"),
+    ("org/src", "other", "", "license", "license: 'other' needs license_name and license_link"),
+    ("org/src", "mit", "model-index:\n- name: x\n  results:\n  - task: {type: t}\n"
+     "    dataset: {type: d, name: d}\n    metrics: [{type: acc, value: high}]\n",
+     "model-index", "metric acc value 'high' is not a number"),
+])
+def test_fc33_card_metadata_checks(base, license, extra, key, message):
+    with pytest.raises(CardError) as e:
+        validate_card(CARD.format(base=base, license=license, extra=extra))
+    assert e.value.key == key and message in str(e.value)
+
+
+def test_fc33_valid_card_passes():
+    meta = validate_card(CARD.format(base="zai-org/GLM-5.3-Flash", license="mit", extra=""))
+    assert meta["base_model_relation"] == "quantized"
+
+
+def test_gate_refusal_and_force(build, tmp_path, capsys):
+    import shutil
+
+    missing = tmp_path / "missing"
+    shutil.copytree(build, missing)
+    (missing / "eval" / "report.json").unlink()
+    with pytest.raises(GateFailed, match=r"no eval report \(eval/report.json\)"):
+        upload_build(missing, "me/x", dry_run=True)
+    failed = tmp_path / "failed"
+    shutil.copytree(build, failed)
+    (failed / "eval" / "report.json").write_text(json.dumps(
+        {"gate": {"passed": False, "reason": "mean KL 0.31 > 0.05"}, "results": {}}))
+    assert cli.main(["upload", str(failed), "--repo", "me/x", "--dry-run"]) == 1
+    assert "refusing to upload" in capsys.readouterr().err
+    assert cli.main(["upload", str(failed), "--repo", "me/x", "--dry-run", "--force"]) == 0
+    printed = capsys.readouterr().out
+    assert "> **Published with `--force`:** eval gate failed: mean KL 0.31 > 0.05." in printed
+    assert "README.md (rendered card, uploaded last)" in printed
+
+
+def test_unfinished_build_is_refused(build, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(build, copy)
+    (copy / "model-00001-of-00003.safetensors").write_bytes(b"x")
+    with pytest.raises(OSError, match="model-00001-of-00003.safetensors in .* is missing or changed"):
+        upload_build(copy, "me/x", dry_run=True)
+
+
+def test_demo_build_card(demo_build):
+    card = str(render_card(demo_build, "me/SmolLM2-135M-Instruct-NVFP4",
+                           base_model="HuggingFaceTB/SmolLM2-135M-Instruct", license="apache-2.0",
+                           forced="no eval report (eval/report.json)"))
+    meta = validate_card(card)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "| `model.layers.*.self_attn.q_proj` | NVFP4 (e2m1, e4m3 block scale / 16, f32 global scale) | 30 |" in card
+    assert "| `model.embed_tokens` | kept as in the source | 1 |" in card
