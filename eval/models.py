@@ -106,7 +106,8 @@ def load_source_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     return model
 
 
-def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32):
+def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32,
+                     trust_remote_code: bool = False):
     """An NVFP4 compressed-tensors build, decompressed to ``dtype`` by transformers on CPU.
 
     Calls ``AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
@@ -128,6 +129,8 @@ def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     Args:
         folder: build folder with a compressed-tensors ``quantization_config``.
         dtype: parameter dtype of the returned model.
+        trust_remote_code: let transformers import custom modeling code carried in the
+            build (``auto_map``); off by default, so custom code is never executed.
 
     Returns:
         ``PreTrainedModel`` in eval mode on CPU.
@@ -137,7 +140,8 @@ def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+            folder, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True),
+            trust_remote_code=trust_remote_code)
     return model.eval()
 
 

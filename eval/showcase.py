@@ -41,12 +41,13 @@ def reference_logit_gap(model, build: Path, ids: torch.Tensor) -> float:
         return (model(ids).logits - ref(ids).logits).abs().max().item()
 
 
-def showcase(src: Path, build: Path, max_tokens: int = 512) -> str:
-    """Load ``build`` in transformers, generate, compare with ``src``; returns the report."""
+def showcase(src: Path, build: Path, max_tokens: int = 512, trust_remote_code: bool = False) -> str:
+    """Load ``build`` in transformers, generate, compare with ``src``; returns the report.
+    Custom code shipped with the build runs only with ``trust_remote_code``."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(build)
-    model = load_build_model(build)
+    tok = AutoTokenizer.from_pretrained(build, trust_remote_code=trust_remote_code)
+    model = load_build_model(build, trust_remote_code=trust_remote_code)
     source = load_source_model(src)
     ids = tok(DEMO_PROMPT, return_tensors="pt")["input_ids"]
     gap = reference_logit_gap(model, build, ids)

@@ -6,11 +6,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from formats.shards import TensorInfo, read_header
-from quantize.errors import OutputError, SourceError
+from formats.shards import TensorInfo, discard, is_temp_name, read_header
+from quantize.errors import Finding, OutputError, SourceError, raise_findings
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "load_index", "read_all_headers", "write_json_atomic",
-           "write_index", "carry_files"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "trusted_root", "scan_index", "load_index",
+           "scan_headers", "read_all_headers", "write_json_atomic", "write_index", "carry_plan",
+           "carry_files"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -29,95 +30,142 @@ def trusted_root(folder: Path) -> Path:
     return folder
 
 
-def _safe_member(folder: Path, rel: str, what: str) -> str:
-    """Refuse index entries that point outside the folder (``..``, absolute, symlinks out)."""
+def _unsafe_member(folder: Path, rel, what: str) -> str | None:
+    """Why ``rel`` (an index value) is not a plain file inside ``folder``, or None.
+
+    Refused: non-strings, absolute paths, ``..``, sub-folders, links leading outside the
+    folder (HF cache snapshot links into ``blobs`` are inside).
+    """
+    if not isinstance(rel, str) or not rel:
+        return f"{what} names {rel!r}, which is not a file name"
     p = Path(rel)
-    if p.is_absolute() or ".." in p.parts or len(p.parts) != 1:
-        raise SourceError(f"{what} names {rel!r}, which is not a file inside the source folder",
-                          shard=rel)
-    full = (folder / rel)
+    if p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\\" in rel:
+        return f"{what} names {rel!r}, which is not a file inside the source folder"
+    full = folder / rel
     if full.is_symlink() and not full.resolve().is_relative_to(trusted_root(folder)):
-        raise SourceError(f"{what} names {rel!r}, a link leading outside the source folder",
-                          shard=rel)
-    return rel
+        return f"{what} names {rel!r}, a link leading outside the source folder"
+    return None
+
+
+def scan_index(folder: Path, check_files: bool = True
+               ) -> tuple[dict[str, str], list[Finding], set[str]]:
+    """Tensor name -> shard file name, from the index or a single ``model.safetensors``,
+    with every problem found (not just the first).
+
+    Returns:
+        ``(weight_map, findings, listed)``: the map keeps only entries whose shard is a safe,
+        existing, non-empty file; findings (kind ``index``) list unreadable indexes, entries
+        pointing outside the folder, missing or empty shard files (all at once), and
+        pickled weights that are never loaded; ``listed`` is every tensor name the index
+        lists, usable shard or not. ``check_files=False`` skips the on-disk check of the
+        shards (a Hub source fetches them later).
+    """
+    folder = Path(folder)
+    findings: list[Finding] = []
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    idx = folder / INDEX_NAME
+    if idx.exists():
+        try:
+            weight_map = json.loads(idx.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+                RecursionError) as e:
+            return {}, [Finding("error", "index", f"{INDEX_NAME} is malformed: {e}",
+                                key="weight_map")], set()
+    elif (folder / SINGLE_NAME).exists():
+        try:
+            weight_map = {k: SINGLE_NAME for k in read_header(folder / SINGLE_NAME)}
+        except SourceError as e:
+            return {}, [Finding.of(e, "header")], set()
+    else:
+        hint = f" (found pickled weights {pickles}, which are never loaded)" if pickles else ""
+        return {}, [Finding("error", "index", f"{folder} has no {INDEX_NAME} or {SINGLE_NAME}{hint}")], set()
+    if not weight_map:
+        return {}, [Finding("error", "index", f"{INDEX_NAME} lists no tensors", key="weight_map")], set()
+    bad: set = set()
+    for shard in sorted(set(map(str, weight_map.values()))):
+        raw = next(v for v in weight_map.values() if str(v) == shard)
+        why = _unsafe_member(folder, raw, INDEX_NAME)
+        if why:
+            bad.add(shard)
+            findings.append(Finding("error", "index", why, shard=shard))
+    missing = sorted({s for s in weight_map.values() if s not in bad and isinstance(s, str)
+                      and check_files
+                      and (not (folder / s).is_file() or (folder / s).stat().st_size == 0)})
+    if missing:
+        findings.append(Finding("error", "index", "index names shard files that are missing or "
+                                f"empty: {', '.join(missing)}", shard=missing[0]))
+    if pickles:
+        findings.append(Finding("info", "index", f"pickled weights {', '.join(pickles)} are "
+                                "never loaded nor copied (safetensors only)"))
+    skip = bad | set(missing)
+    return {k: v for k, v in weight_map.items() if v not in skip}, findings, set(weight_map)
 
 
 def load_index(folder: Path, check_files: bool = True) -> dict[str, str]:
-    """Tensor name -> shard file name, from the index or a single ``model.safetensors``.
-
-    ``check_files=False`` skips the on-disk check of the shards (a Hub source fetches them later).
+    """Tensor name -> shard file name (see :func:`scan_index`).
 
     Raises:
         SourceError: no weights, unreadable index, an entry pointing outside the folder,
             or shard files that are missing or empty (all listed at once, before any read).
     """
-    folder = Path(folder)
-    idx = folder / INDEX_NAME
-    if idx.exists():
-        try:
-            weight_map = json.loads(idx.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SourceError(f"{INDEX_NAME} is malformed: {e}", key="weight_map") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise SourceError(f"{INDEX_NAME}: weight_map must map tensor names to shard file "
-                              "names", key="weight_map")
-        for shard in set(weight_map.values()):
-            _safe_member(folder, shard, INDEX_NAME)
-    elif (folder / SINGLE_NAME).exists():
-        weight_map = {k: SINGLE_NAME for k in read_header(folder / SINGLE_NAME)}
-    else:
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        hint = f" (found pickled weights {pickles}, which are never loaded)" if pickles else ""
-        raise SourceError(f"{folder} has no {INDEX_NAME} or {SINGLE_NAME}{hint}")
-    if not check_files:
-        return dict(weight_map)
-    bad = sorted({s for s in weight_map.values()
-                  if not (folder / s).is_file() or (folder / s).stat().st_size == 0})
-    if bad:
-        raise SourceError(f"index names shard files that are missing or empty: {', '.join(bad)}",
-                          shard=bad[0])
-    return dict(weight_map)
+    weight_map, findings, _ = scan_index(folder, check_files)
+    raise_findings(findings, Path(folder).name)
+    return weight_map
 
 
-def read_all_headers(folder: Path, weight_map: dict[str, str],
-                     header_of: Callable[[str], dict[str, TensorInfo]] | None = None
-                     ) -> dict[str, TensorInfo]:
-    """Read every shard header once and check the index against them.
+def scan_headers(folder: Path, weight_map: dict[str, str],
+                 header_of: Callable[[str], dict[str, TensorInfo]] | None = None
+                 ) -> tuple[dict[str, TensorInfo], list[Finding]]:
+    """Read every shard header once and check the index against them, collecting problems.
 
     ``header_of(shard)`` supplies a shard's header (default: ``read_header`` of the file in
     ``folder``; a Hub source passes headers fetched with HTTP range requests).
 
     Returns:
-        tensor name -> TensorInfo for every tensor the index lists.
-
-    Raises:
-        SourceError: an index entry missing from its shard's header (FC-21a), listing all.
+        ``(infos, findings)``: TensorInfo for every listed tensor found in a readable
+        header; findings for unreadable headers (kind ``header``), and, one per tensor (kind
+        ``index``), index entries missing from their shard (FC-21a) and tensors in a shard
+        that the index does not list there (they would be silently dropped).
     """
     folder = Path(folder)
     infos: dict[str, TensorInfo] = {}
-    missing = []
+    findings: list[Finding] = []
     header_of = header_of or (lambda shard: read_header(folder / shard))
-    for shard in sorted(set(weight_map.values())):
-        header = header_of(shard)
-        for name, s in weight_map.items():
-            if s != shard:
-                continue
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    for shard in sorted(by_shard):
+        try:
+            header = header_of(shard)
+        except SourceError as e:
+            findings.append(Finding.of(e, "header"))
+            continue
+        for name in sorted(by_shard[shard]):
             if name not in header:
-                missing.append(f"{name} (index says {shard})")
+                findings.append(Finding("error", "index", f"{name} (index says {shard}) is not "
+                                        "in that shard's header", tensor=name, shard=shard))
             else:
                 infos[name] = header[name]
-        unlisted = sorted(n for n in header if weight_map.get(n) != shard)
-        missing += [f"{n} (in {shard}, not listed in the index)" for n in unlisted]
-    if missing:
-        raise SourceError("index and shard headers disagree: " + _first(missing),
-                          tensor=missing[0].split(" ")[0])
+        for name in sorted(n for n in header if weight_map.get(n) != shard):
+            findings.append(Finding("error", "index", f"{name} (in {shard}, not listed in the "
+                                    "index)", tensor=name, shard=shard))
+    return infos, findings
+
+
+def read_all_headers(folder: Path, weight_map: dict[str, str],
+                     header_of: Callable[[str], dict[str, TensorInfo]] | None = None
+                     ) -> dict[str, TensorInfo]:
+    """Every listed tensor's TensorInfo (see :func:`scan_headers`).
+
+    Raises:
+        SourceError: unreadable headers and index entries missing from their shard (FC-21a),
+            all listed.
+    """
+    infos, findings = scan_headers(folder, weight_map, header_of)
+    raise_findings(findings, Path(folder).name)
     return infos
-
-
-def _first(items: list[str], n: int = 20) -> str:
-    """``a; b; ...`` for the first ``n`` items, then how many more."""
-    more = f"; ... and {len(items) - n} more" if len(items) > n else ""
-    return "; ".join(items[:n]) + more
 
 
 def write_json_atomic(obj: dict, path: Path) -> None:
@@ -128,16 +176,8 @@ def write_json_atomic(obj: dict, path: Path) -> None:
         tmp.write_text(json.dumps(obj, indent=2) + "\n")
         os.replace(tmp, path)
     except OSError as e:
-        _discard(tmp)
+        discard(tmp)
         raise OutputError(f"cannot write {path.name} in {path.parent}: {e}", key=path.name) from None
-
-
-def _discard(tmp: Path) -> None:
-    """Remove a temp file after a failed write; a failure to remove it is not the error."""
-    try:
-        tmp.unlink(missing_ok=True)
-    except OSError:
-        pass
 
 
 def write_index(folder: Path, shards: list[str]) -> dict:
@@ -157,34 +197,55 @@ def write_index(folder: Path, shards: list[str]) -> dict:
     return index
 
 
-def carry_files(src: Path, out: Path, skip: set[str]) -> list[str]:
-    """Copy every non-weight file (tokenizer, chat template, generation config, license,
-    custom code) from ``src`` to ``out``, keeping sub-folders; returns the relative paths.
+def carry_plan(src: Path, skip: set[str]) -> tuple[list[str], list[str]]:
+    """Which non-weight files (tokenizer, chat template, generation config, license, custom
+    code) of ``src`` are carried into a build, keeping sub-folders.
 
-    Weights (``*.safetensors``, pickles), the index and names in ``skip`` are not copied.
-    Custom code is copied as a file and never imported.
+    Weights (``*.safetensors``, pickles), the index, hidden paths, leftover temp files,
+    sub-folders holding a checkpoint of their own and names in ``skip`` are not carried;
+    links leading outside ``src`` (or its Hub cache repo folder) are refused.
+
+    Returns:
+        ``(relative paths to copy, messages about files refused)``.
     """
-    src, out = Path(src), Path(out)
+    src = Path(src)
+    copy, refused = [], []
     root = trusted_root(src)
     # sub-folders that are checkpoints of their own (an earlier build kept beside the source)
     nested = {p.parent for p in src.rglob("config.json") if p.parent != src}
-    copied = []
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if (not p.is_file() or rel.parts[0].startswith(".") or p.suffix in WEIGHT_SUFFIXES
-                or p.suffix in PICKLE_SUFFIXES or str(rel) in skip or p.name == INDEX_NAME
-                or any(p.is_relative_to(n) for n in nested)):
+                or p.suffix in PICKLE_SUFFIXES or is_temp_name(p.name) or str(rel) in skip
+                or p.name == INDEX_NAME or any(p.is_relative_to(n) for n in nested)):
             continue
         if p.is_symlink() and not p.resolve().is_relative_to(root):
+            refused.append(f"{rel} is a link leading outside the source folder; not copied")
             continue
+        copy.append(str(rel))
+    return copy, refused
+
+
+def carry_files(src: Path, out: Path, skip: set[str]) -> list[str]:
+    """Copy the files :func:`carry_plan` selects from ``src`` to ``out``, each through a temp
+    name and rename. Custom code is copied as a file and never imported.
+
+    Returns:
+        the relative paths copied.
+
+    Raises:
+        OutputError: naming the file when a copy fails (disk full, read-only, ...).
+    """
+    src, out = Path(src), Path(out)
+    copied, _ = carry_plan(src, skip)
+    for rel in copied:
         dest = out / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".tmp")
         try:
-            shutil.copyfile(p, tmp)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, tmp)
             os.replace(tmp, dest)
         except OSError as e:
-            _discard(tmp)
-            raise OutputError(f"cannot copy {rel} into {out}: {e}", key=str(rel)) from None
-        copied.append(str(rel))
+            discard(tmp)
+            raise OutputError(f"cannot copy {rel} into {out}: {e}", key=rel) from None
     return copied

@@ -14,6 +14,12 @@ NVFP4PackedCompressor, naive_quantized/base.py, mxfp8/base.py]:
 
 (*) a passed-through DeepSeek ``weight_scale_inv`` keeps its stored dtype (F32, or BF16 in
 some third-party releases); it is renamed only.
+|           | ``<m>.input_global_scale``  | float32       | [1], W4A4 only: 2688/amax_in |
+
+FP8 KV cache (``kv_cache_scheme`` 8-bit float, strategy tensor, static): ``<attn>.k_scale`` and
+``<attn>.v_scale`` [1] in the dequant direction (amax / 448), dtype of the attention module
+[compressed-tensors quantization/lifecycle/initialize.py initialize_attn_qparams;
+formats_spec.md B.4].
 
 ``config.json`` ``quantization_config`` is built with compressed-tensors' own
 ``QuantizationConfig`` / ``QuantizationScheme`` (presets NVFP4A16, FP8_BLOCK, MXFP8A16) and
@@ -27,52 +33,78 @@ import re
 
 import compressed_tensors
 import torch
-from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
 
 from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
 
-__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "emit_nvfp4", "emit_fp8_block", "emit_mxfp8",
-           "output_specs", "quantization_config", "extra_files", "QUANTIZED_SUFFIXES",
+__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "emit_nvfp4", "emit_fp8_block", "emit_mxfp8", "emit_kv_scales",
+           "output_specs", "kv_scale_specs", "quantization_config", "extra_files", "QUANTIZED_SUFFIXES",
            "compact_targets"]
 
 FORMAT_NAME = "nvfp4-pack-quantized"
 NVFP4_ORDER = "global"
 """compressed-tensors divides by ``block_scale / global_scale`` (quantize direction)."""
-QUANTIZED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale")
-_PRESETS = {"w4a16": "NVFP4A16"}
+QUANTIZED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale", ".input_global_scale")
+_PRESETS = {"w4a16": "NVFP4A16", "w4a4": "NVFP4"}
 _TARGET_SCHEME = {"nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"),
                   "fp8-block": ("FP8_BLOCK", "float-quantized"),
                   "mxfp8": ("MXFP8A16", "mxfp8-quantized")}
+_KV_SCHEMES = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                       "symmetric": True}}
 
 
 def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
-               global_scale: torch.Tensor, scale_2: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               global_scale: torch.Tensor, scale_2: torch.Tensor | None = None, *,
+               input_global_scale: torch.Tensor | None = None,
+               input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Name the NVFP4 tensors of ``module`` for this format.
 
     Args:
         packed: uint8 [N, K/2]. block_scale: float8_e4m3fn [N, K/16].
         global_scale: float32 [1], quantize direction (2688 / amax), stored as is.
         scale_2: unused here (ModelOpt's dequant-direction scalar).
+        input_global_scale: float32 [1], W4A4 only, quantize direction (2688 / amax_in).
+        input_scale: unused here (ModelOpt's dequant-direction input scalar).
     """
-    return {
+    out = {
         f"{module}.weight_packed": packed,
         f"{module}.weight_scale": block_scale,
         f"{module}.weight_global_scale": global_scale.to(torch.float32).reshape(1),
     }
+    if input_global_scale is not None:
+        out[f"{module}.input_global_scale"] = input_global_scale.to(torch.float32).reshape(1)
+    return out
 
 
-def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32") -> dict:
+def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32",
+                 scheme: str = "w4a16") -> dict:
     """Names, safetensors dtypes and shapes the ``emit_*`` functions write for a quantized
-    ``target`` of a weight [N, K]."""
+    ``target`` of a weight [N, K] (``scheme`` ``w4a4`` adds NVFP4's ``input_global_scale``)."""
     n, k = shape
     if target == "nvfp4":
-        return {f"{module}.weight_packed": ("U8", (n, k // 2)),
-                f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
-                f"{module}.weight_global_scale": ("F32", (1,))}
+        specs = {f"{module}.weight_packed": ("U8", (n, k // 2)),
+                 f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
+                 f"{module}.weight_global_scale": ("F32", (1,))}
+        if scheme == "w4a4":
+            specs[f"{module}.input_global_scale"] = ("F32", (1,))
+        return specs
     specs = fp8_output_specs(module, target, shape, fp8_scale_dtype)
     if specs is not None:
         return specs
     raise ValueError(f"{target!r} is not a quantized target")
+
+
+def emit_kv_scales(attention: str, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """FP8 KV-cache scales of one attention block: ``<attention>.k_scale`` / ``.v_scale``,
+    shape [1], dequant direction (amax / 448), in the attention module's ``dtype``."""
+    return {f"{attention}.k_scale": k_scale.reshape(1).to(dtype),
+            f"{attention}.v_scale": v_scale.reshape(1).to(dtype)}
+
+
+def kv_scale_specs(attention: str, dtype: str) -> dict:
+    """What :func:`emit_kv_scales` writes: names, safetensors ``dtype`` (the module's) and shapes."""
+    return {f"{attention}.k_scale": (dtype, (1,)), f"{attention}.v_scale": (dtype, (1,))}
 
 
 def _template(module: str) -> str:
@@ -104,45 +136,50 @@ def compact_targets(groups: dict[str, list[str]], others: list[str]) -> dict[str
 
 
 def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
-                        producer: dict | None = None) -> dict:
+                        producer: dict | None = None, kv_cache: str | None = None) -> dict:
     """``quantization_config`` for config.json.
 
     Args:
         targets: quantized module name -> target (``nvfp4``, ``fp8-block``, ``mxfp8``).
         ignore: exact module names written unquantized (derived from what was written).
-        scheme: ``w4a16`` (weight-only NVFP4A16).
+        scheme: ``w4a16`` (weight-only NVFP4A16) or ``w4a4`` (NVFP4 modules get the NVFP4
+            preset: activations e2m1 with dynamic e4m3 block scales and a static global scale,
+            ``dynamic: "local"``).
         producer: unused (compressed-tensors records only its own ``version``).
+        kv_cache: ``fp8`` declares a static per-tensor FP8 KV cache (``kv_cache_scheme``).
 
     Raises:
-        ValueError: unknown scheme.
+        ValueError: unknown scheme or KV-cache type.
     """
     if scheme not in _PRESETS:
         raise ValueError(f"scheme {scheme!r} is not available for compressed-tensors output "
                          f"(valid: {', '.join(_PRESETS)})")
+    if kv_cache is not None and kv_cache not in _KV_SCHEMES:
+        raise ValueError(f"kv cache {kv_cache!r} is not available (valid: {', '.join(_KV_SCHEMES)})")
+
+    def scheme_of(kind: str, targets_: list[str]):
+        preset, fmt = _TARGET_SCHEME[kind]
+        group = preset_name_to_scheme(_PRESETS[scheme] if kind == "nvfp4" else preset, targets_)
+        group.format = fmt
+        return group
+
     kinds = sorted(set(targets.values())) or ["nvfp4"]
     if len(kinds) == 1:
-        preset, fmt = _TARGET_SCHEME[kinds[0]]
-        group = preset_name_to_scheme(preset, ["Linear"])
-        group.format = fmt
-        groups, top = {"group_0": group}, fmt
+        groups, top = {"group_0": scheme_of(kinds[0], ["Linear"])}, _TARGET_SCHEME[kinds[0]][1]
     else:
         by_kind = {k: sorted(m for m, t in targets.items() if t == k) for k in kinds}
         compact = compact_targets(by_kind, list(ignore))
-        groups = {}
-        for i, k in enumerate(kinds):
-            preset, fmt = _TARGET_SCHEME[k]
-            group = preset_name_to_scheme(preset, compact[k])
-            group.format = fmt
-            groups[f"group_{i}"] = group
+        groups = {f"group_{i}": scheme_of(k, compact[k]) for i, k in enumerate(kinds)}
         top = "mixed-precision"
+    kv = QuantizationArgs(**_KV_SCHEMES[kv_cache]) if kv_cache else None
     cfg = QuantizationConfig(config_groups=groups, format=top, quantization_status="compressed",
-                             ignore=sorted(ignore))
+                             ignore=sorted(ignore), kv_cache_scheme=kv)
     out = cfg.model_dump(mode="json")
     out["version"] = compressed_tensors.__version__
     return out
 
 
 def extra_files(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
-                producer: dict | None = None) -> dict[str, dict]:
+                producer: dict | None = None, kv_cache: str | None = None) -> dict[str, dict]:
     """Files besides config.json this format needs: none."""
     return {}

@@ -7,12 +7,18 @@ quant_utils.py; vLLM modelopt.py ModelOptNvFp4LinearMethod / ModelOptMxFp8Linear
 | nvfp4     | ``<m>.weight``         | uint8         | [N, K/2] e2m1, even col low              |
 |           | ``<m>.weight_scale``   | float8_e4m3fn | [N, K/16] (same bytes rule as CT)        |
 |           | ``<m>.weight_scale_2`` | float32       | [] (0-dim), dequant direction amax/2688 |
+|           | ``<m>.input_scale``    | float32       | [] (0-dim), W4A4 only: amax_in/2688      |
 | fp8-block | ``<m>.weight``         | float8_e4m3fn | [N, K] (``FP8_PB_WO``)                    |
 |           | ``<m>.weight_scale``   | float32 (*)   | [ceil(N/128), ceil(K/128)], multiplier   |
 | mxfp8     | ``<m>.weight``         | float8_e4m3fn | [N, K]                                   |
 |           | ``<m>.weight_scale``   | uint8 (e8m0)  | [N, K/32]                                |
 
 (*) a passed-through DeepSeek ``weight_scale_inv`` keeps its stored dtype, renamed only.
+
+FP8 KV cache (``kv_cache_quant_algo: "FP8"``): ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale``
+float32, dequant direction amax / 448 (ModelOpt quant_utils.py ``_KV_CACHE_REPLACEMENTS``;
+vLLM remaps them to ``<attn>.attn.k_scale``; formats_spec.md B.4). Written 0-dim like the other
+ModelOpt scalars [UNCONFIRMED: shape of ModelOpt's own export].
 
 Two config files (ModelOpt ``_write_hf_export_config``):
 ``hf_quant_config.json`` ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
@@ -32,7 +38,7 @@ import torch
 from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
 
 __all__ = ["FORMAT_NAME", "NVFP4_ORDER", "HF_QUANT_CONFIG", "emit_nvfp4", "emit_fp8_block",
-           "emit_mxfp8", "output_specs", "quant_algo_of", "hf_quant_config", "quantization_config",
+           "emit_mxfp8", "emit_kv_scales", "output_specs", "kv_scale_specs", "quant_algo_of", "hf_quant_config", "quantization_config",
            "extra_files", "to_compressed_tensors", "from_compressed_tensors"]
 
 FORMAT_NAME = "modelopt"
@@ -40,56 +46,103 @@ NVFP4_ORDER = "scale_2"
 """ModelOpt divides by ``block_scale * scale_2`` (dequant direction) and gives all-zero
 blocks scale 1.0 (``NVFP4QTensor.get_weights_scaling_factor``)."""
 HF_QUANT_CONFIG = "hf_quant_config.json"
+_W4A4_NVFP4 = {"quant_algo": "NVFP4", "group_size": 16}
+_KV_ALGOS = {"fp8": "FP8"}
 _LAYER_ALGO = {"nvfp4": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
                "fp8-block": {"quant_algo": "FP8_PB_WO"},
                "mxfp8": {"quant_algo": "MXFP8", "group_size": 32}}
 
 
 def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
-               global_scale: torch.Tensor | None, scale_2: torch.Tensor) -> dict[str, torch.Tensor]:
+               global_scale: torch.Tensor | None, scale_2: torch.Tensor, *,
+               input_global_scale: torch.Tensor | None = None,
+               input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Name the NVFP4 tensors of ``module``.
 
     Args:
         packed: uint8 [N, K/2]. block_scale: float8_e4m3fn [N, K/16].
         global_scale: unused (compressed-tensors' quantize-direction scalar).
         scale_2: float32, dequant direction (amax / 2688), written 0-dim as ModelOpt does.
+        input_global_scale: unused (compressed-tensors' quantize-direction input scalar).
+        input_scale: float32, W4A4 only, dequant direction (amax_in / 2688), written 0-dim
+            (formats_spec.md B.2.1; ModelOpt ``NVFP4QTensor.get_activation_scaling_factor``).
     """
-    return {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
-            f"{module}.weight_scale_2": scale_2.to(torch.float32).reshape(())}
+    out = {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
+           f"{module}.weight_scale_2": scale_2.to(torch.float32).reshape(())}
+    if input_scale is not None:
+        out[f"{module}.input_scale"] = input_scale.to(torch.float32).reshape(())
+    return out
 
 
-def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32") -> dict:
+def emit_kv_scales(attention: str, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """FP8 KV-cache scales of one attention block: ``<attention>.k_proj.k_scale`` /
+    ``<attention>.v_proj.v_scale``, float32 0-dim, dequant direction (amax / 448); ``dtype``
+    (the module's) is not used: ModelOpt stores float32."""
+    return {f"{attention}.k_proj.k_scale": k_scale.to(torch.float32).reshape(()),
+            f"{attention}.v_proj.v_scale": v_scale.to(torch.float32).reshape(())}
+
+
+def kv_scale_specs(attention: str, dtype: str) -> dict:
+    """What :func:`emit_kv_scales` writes (``dtype`` unused: always F32)."""
+    return {f"{attention}.k_proj.k_scale": ("F32", ()), f"{attention}.v_proj.v_scale": ("F32", ())}
+
+
+def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32",
+                 scheme: str = "w4a16") -> dict:
     """Names, safetensors dtypes and shapes the ``emit_*`` functions write for a quantized
-    ``target`` of a weight [N, K]."""
+    ``target`` of a weight [N, K] (``scheme`` ``w4a4`` adds NVFP4's ``input_scale``)."""
     n, k = shape
     if target == "nvfp4":
-        return {f"{module}.weight": ("U8", (n, k // 2)),
-                f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
-                f"{module}.weight_scale_2": ("F32", ())}
+        specs = {f"{module}.weight": ("U8", (n, k // 2)),
+                 f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
+                 f"{module}.weight_scale_2": ("F32", ())}
+        if scheme == "w4a4":
+            specs[f"{module}.input_scale"] = ("F32", ())
+        return specs
     specs = fp8_output_specs(module, target, shape, fp8_scale_dtype)
     if specs is not None:
         return specs
     raise ValueError(f"{target!r} is not a quantized target")
 
 
-def quant_algo_of(targets: dict[str, str]) -> str:
-    """``W4A16_NVFP4`` / ``FP8_PB_WO`` / ``MXFP8`` for one format, ``MIXED_PRECISION`` for several."""
+def _layer_algo(target: str, scheme: str) -> dict:
+    return dict(_W4A4_NVFP4) if target == "nvfp4" and scheme == "w4a4" else dict(_LAYER_ALGO[target])
+
+
+def quant_algo_of(targets: dict[str, str], scheme: str = "w4a16") -> str:
+    """``W4A16_NVFP4`` (``NVFP4`` for W4A4) / ``FP8_PB_WO`` / ``MXFP8`` for one format,
+    ``MIXED_PRECISION`` for several."""
     kinds = set(targets.values()) or {"nvfp4"}
-    return _LAYER_ALGO[kinds.pop()]["quant_algo"] if len(kinds) == 1 else "MIXED_PRECISION"
+    return _layer_algo(kinds.pop(), scheme)["quant_algo"] if len(kinds) == 1 else "MIXED_PRECISION"
 
 
-def hf_quant_config(targets: dict[str, str], ignore: list[str], producer: dict) -> dict:
+def _check_options(scheme: str, kv_cache: str | None) -> None:
+    if scheme not in ("w4a16", "w4a4"):
+        raise ValueError(f"scheme {scheme!r} is not available for modelopt output (valid: w4a16, w4a4)")
+    if kv_cache is not None and kv_cache not in _KV_ALGOS:
+        raise ValueError(f"kv cache {kv_cache!r} is not available (valid: {', '.join(_KV_ALGOS)})")
+
+
+def hf_quant_config(targets: dict[str, str], ignore: list[str], producer: dict, scheme: str = "w4a16",
+                    kv_cache: str | None = None) -> dict:
     """``hf_quant_config.json`` contents.
 
     Args:
         targets: quantized module name -> target. ignore: unquantized module names (exact).
         producer: ``{"name": ..., "version": ...}``.
+        scheme: ``w4a16`` or ``w4a4`` (NVFP4 modules ``quant_algo: NVFP4``, with ``input_scale``).
+        kv_cache: ``fp8`` sets ``kv_cache_quant_algo: "FP8"``.
+
+    Raises:
+        ValueError: unknown scheme or KV-cache type.
     """
-    algo = quant_algo_of(targets)
-    q = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
-         "exclude_modules": sorted(ignore)}
+    _check_options(scheme, kv_cache)
+    algo = quant_algo_of(targets, scheme)
+    q = {"quant_algo": algo, "kv_cache_quant_algo": _KV_ALGOS[kv_cache] if kv_cache else None,
+         "group_size": 16, "exclude_modules": sorted(ignore)}
     if algo == "MIXED_PRECISION":
-        q["quantized_layers"] = {m: dict(_LAYER_ALGO[t]) for m, t in sorted(targets.items())}
+        q["quantized_layers"] = {m: _layer_algo(t, scheme) for m, t in sorted(targets.items())}
     elif algo == "MXFP8":
         q["group_size"] = 32
     return {"producer": dict(producer), "quantization": q}
@@ -99,6 +152,10 @@ def _group_config(algo: str, group_size: int | None) -> dict:
     # ModelOpt export/convert_hf_config.py _quant_algo_to_group_config, for our algos.
     if algo == "W4A16_NVFP4":
         return {"weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": group_size or 16}}
+    if algo == "NVFP4":
+        gs = group_size or 16
+        return {"input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs},
+                "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": gs}}
     if algo == "MXFP8":
         gs = group_size or 32
         return {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float", "group_size": gs},
@@ -107,16 +164,14 @@ def _group_config(algo: str, group_size: int | None) -> dict:
 
 
 def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
-                        producer: dict | None = None) -> dict:
+                        producer: dict | None = None, kv_cache: str | None = None) -> dict:
     """config.json ``quantization_config``: ModelOpt's ``convert_hf_quant_config_format`` of
     :func:`hf_quant_config` (``quant_method: modelopt``, ``ignore`` == ``exclude_modules``).
 
     Raises:
-        ValueError: unknown scheme.
+        ValueError: unknown scheme or KV-cache type.
     """
-    if scheme != "w4a16":
-        raise ValueError(f"scheme {scheme!r} is not available for modelopt output (valid: w4a16)")
-    q = hf_quant_config(targets, ignore, producer or {})["quantization"]
+    q = hf_quant_config(targets, ignore, producer or {}, scheme, kv_cache)["quantization"]
     algo = q["quant_algo"]
     out: dict = {}
     if algo == "MIXED_PRECISION":
@@ -131,7 +186,7 @@ def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str 
             groups[f"group_{i}"] = g
         out["config_groups"] = groups
         out["quantized_layers"] = q["quantized_layers"]
-    elif algo == "W4A16_NVFP4":
+    elif algo in ("W4A16_NVFP4", "NVFP4"):
         out["config_groups"] = {"group_0": {**_group_config(algo, q["group_size"]), "targets": ["Linear"]}}
     out["ignore"] = q["exclude_modules"]
     out["quant_algo"] = algo
@@ -142,9 +197,9 @@ def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str 
 
 
 def extra_files(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
-                producer: dict | None = None) -> dict[str, dict]:
+                producer: dict | None = None, kv_cache: str | None = None) -> dict[str, dict]:
     """``{"hf_quant_config.json": ...}``: the legacy file every engine still reads."""
-    return {HF_QUANT_CONFIG: hf_quant_config(targets, ignore, producer or {})}
+    return {HF_QUANT_CONFIG: hf_quant_config(targets, ignore, producer or {}, scheme, kv_cache)}
 
 
 def to_compressed_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

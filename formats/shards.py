@@ -9,24 +9,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantize.errors import OutputError, SourceError
 
 __all__ = ["TensorInfo", "read_header", "ShardReader", "write_shard_atomic", "sha256_file",
-           "prefetch_file", "DTYPE_BYTES", "dtype_name"]
+           "prefetch_file", "DTYPE_BYTES", "TORCH_DTYPES", "dtype_name", "discard",
+           "is_temp_name"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2,
                "U32": 4, "U64": 8}
-_TORCH_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-                torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 MAX_HEADER_BYTES = 100_000_000  # same bound safetensors itself enforces
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32,
+                "U64": torch.uint64}
+_TORCH_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -36,12 +39,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor as declared in a shard header (safetensors dtype string, shape, bytes)."""
+    """One tensor as declared in a shard header (safetensors dtype string, shape, bytes).
+
+    ``offset`` is the absolute byte offset of the tensor's data in the shard file.
+    """
 
     name: str
     shard: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -51,20 +58,8 @@ class TensorInfo:
         return n
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse a safetensors header without reading tensor data.
-
-    Checks the header length, JSON, dtypes, and that every tensor's byte range lies inside the
-    file, is consistent with its shape and does not overlap another, before anything is
-    allocated.
-
-    Returns:
-        tensor name -> TensorInfo (``__metadata__`` skipped).
-
-    Raises:
-        SourceError: naming the shard (and tensor) on a missing, empty, truncated or
-            malformed file.
-    """
+def _header_size(path: Path) -> tuple[int, int]:
+    """(file size, header length) of a shard, checked before anything else is read."""
     name = path.name
     try:
         size = path.stat().st_size
@@ -74,37 +69,73 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise SourceError(f"shard {name} is empty or truncated ({size} bytes)", shard=name)
     with open(path, "rb") as f:
         (hlen,) = struct.unpack("<Q", f.read(8))
-        if hlen > MAX_HEADER_BYTES:
-            raise SourceError(f"shard {name}: header length {hlen} exceeds the {MAX_HEADER_BYTES}"
-                              "-byte limit safetensors allows", shard=name)
-        if 8 + hlen > size:
-            raise SourceError(f"shard {name}: header length {hlen} exceeds the file ({size} bytes)",
-                              shard=name)
-        try:
-            header = json.loads(f.read(hlen))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SourceError(f"shard {name}: header is not valid JSON ({e})", shard=name) from None
-    data_len = size - 8 - hlen
-    out: dict[str, TensorInfo] = {}
-    spans = []
+    if hlen > MAX_HEADER_BYTES:
+        raise SourceError(f"shard {name}: header length {hlen} exceeds the {MAX_HEADER_BYTES}"
+                          "-byte limit safetensors allows", shard=name)
+    if 8 + hlen > size:
+        raise SourceError(f"shard {name}: header length {hlen} exceeds the file ({size} bytes)",
+                          shard=name)
+    return size, hlen
+
+
+def _entry(name: str, key: str, v) -> tuple[str, tuple[int, ...], int, int]:
+    """dtype, shape, start, end of one header entry; every field type-checked (JSON from
+    anyone's repo: no floats, negative dims or strings where integers belong)."""
+    try:
+        dtype, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
+        ints = [*shape, *offsets]
+        if (not isinstance(dtype, str) or not isinstance(shape, list) or len(offsets) != 2
+                or not all(type(i) is int and i >= 0 for i in ints)):
+            raise TypeError
+    except (KeyError, TypeError):
+        raise SourceError(f"shard {name}: malformed header entry for {key}", shard=name,
+                          tensor=key) from None
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse a safetensors header without reading tensor data.
+
+    Checks the header length, JSON, dtypes, and that every tensor's byte range lies inside the
+    file, is consistent with its shape and does not overlap another, before anything is
+    allocated. Header fields are type-checked (non-negative integer dims and offsets;
+    ``__metadata__`` strings only).
+
+    Returns:
+        tensor name -> TensorInfo (``__metadata__`` skipped).
+
+    Raises:
+        SourceError: naming the shard (and tensor) on a missing, empty, truncated or
+            malformed file.
+    """
+    name = path.name
+    size, hlen = _header_size(path)
+    with open(path, "rb") as f:
+        f.seek(8)
+        raw = f.read(hlen)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SourceError(f"shard {name}: header is not valid JSON ({str(e)[:80]})",
+                          shard=name) from None
     if not isinstance(header, dict):
         raise SourceError(f"shard {name}: header is not a JSON object", shard=name)
+    data_start = 8 + hlen
+    data_len = size - data_start
+    out: dict[str, TensorInfo] = {}
+    spans = []
     for key, v in header.items():
         if key == "__metadata__":
             if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
                 raise SourceError(f"shard {name}: __metadata__ must map strings to strings",
                                   shard=name, key="__metadata__")
             continue
-        try:
-            dtype, shape, (start, end) = v["dtype"], tuple(int(d) for d in v["shape"]), v["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SourceError(f"shard {name}: malformed header entry for {key}", shard=name,
-                              tensor=key) from None
+        dtype, shape, start, end = _entry(name, key, v)
         if dtype not in DTYPE_BYTES:
             raise SourceError(f"shard {name}: tensor {key} has unknown dtype {dtype}", shard=name,
                               tensor=key)
-        info = TensorInfo(key, name, dtype, shape)
-        if not (0 <= start <= end <= data_len) or end - start != info.nbytes:
+        info = TensorInfo(key, name, dtype, shape, data_start + start)
+        if not (start <= end <= data_len) or end - start != info.nbytes:
             raise SourceError(
                 f"shard {name}: tensor {key} declares bytes [{start}, {end}) but needs "
                 f"{info.nbytes} inside a data section of {data_len} bytes (truncated or corrupt)",
@@ -119,11 +150,15 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
 
 class ShardReader:
-    """Lazy tensor reads from a folder of safetensors shards, a few open files at a time.
+    """Tensor reads from a folder of safetensors shards with plain positioned reads.
 
-    Each ``get`` reads one tensor (safetensors ``safe_open``, memory-mapped), so memory holds
-    only what the caller keeps. ``locate(shard) -> Path`` says where a shard file is (default
-    ``folder / shard``); a Hub source passes one that downloads the shard on first use.
+    Each ``get`` reads one tensor (or a range of its rows) into memory the caller owns, so
+    memory holds only what the caller keeps. Reads are ``pread``, not ``mmap``: a shard that
+    is truncated while open (a re-download, a full disk elsewhere) gives a short read and a
+    clear error instead of a SIGBUS that kills the process without a message. Before each
+    read the file's size and mtime are compared with those seen when its header was parsed.
+    ``locate(shard) -> Path`` says where a shard file is (default ``folder / shard``); a Hub
+    source passes one that downloads the shard on first use.
     """
 
     def __init__(self, folder: Path, max_open: int = 4,
@@ -131,34 +166,80 @@ class ShardReader:
         self.folder = Path(folder)
         self.max_open = max_open
         self.locate = locate or (lambda shard: self.folder / shard)
-        self._open: dict[str, object] = {}
+        self._open: dict[str, tuple[int, os.stat_result, dict[str, TensorInfo]]] = {}
 
-    def get(self, shard: str, name: str) -> torch.Tensor:
-        """Read tensor ``name`` from ``shard`` (a file name inside the folder), CPU, own memory."""
+    def _handle(self, shard: str):
         h = self._open.pop(shard, None)
         if h is None:
             if len(self._open) >= self.max_open:
-                self._open.pop(next(iter(self._open)))
-            h = safe_open(str(self.locate(shard)), framework="pt", device="cpu")
+                os.close(self._open.pop(next(iter(self._open)))[0])
+            path = self.locate(shard)
+            header = read_header(path)
+            fd = os.open(path, os.O_RDONLY)
+            h = (fd, os.fstat(fd), header)
         self._open[shard] = h
-        try:
-            return h.get_tensor(name)
-        except Exception as e:  # safetensors raises its own error types
-            raise SourceError(f"cannot read tensor {name} from shard {shard}: {e}", shard=shard,
-                              tensor=name) from None
+        return h
+
+    def get(self, shard: str, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Read tensor ``name`` from ``shard`` (a file name inside the folder), CPU, own memory.
+
+        Args:
+            rows: optional ``(start, stop)`` along dim 0: only those rows are read.
+
+        Raises:
+            SourceError: naming tensor and shard when the tensor is not in the header or the
+                file changed or was truncated since its header was read.
+        """
+        fd, st, header = self._handle(shard)
+        info = header.get(name)
+        if info is None:
+            raise SourceError(f"tensor {name} is not in shard {shard}", shard=shard, tensor=name)
+        now = os.fstat(fd)
+        if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            raise SourceError(
+                f"shard {shard} changed while it was being read ({st.st_size} -> {now.st_size} "
+                "bytes): truncated or replaced during the run; restore it and rerun with --resume",
+                shard=shard, tensor=name)
+        shape, offset, nbytes = list(info.shape), info.offset, info.nbytes
+        if rows is not None:
+            row_bytes = nbytes // shape[0] if shape and shape[0] else 0
+            start, stop = max(0, rows[0]), min(shape[0], rows[1])
+            shape[0] = max(0, stop - start)
+            offset, nbytes = offset + start * row_bytes, shape[0] * row_bytes
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view, got = memoryview(buf.numpy()), 0
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise SourceError(
+                    f"cannot read tensor {name} from shard {shard}: the file ends at byte "
+                    f"{offset + got} (truncated during the run); restore it and rerun with "
+                    "--resume", shard=shard, tensor=name)
+            got += n
+        return buf.view(TORCH_DTYPES[info.dtype]).reshape(shape)
 
     def drop(self, shard: str) -> None:
-        """Close ``shard`` (unmap it) so its file can be deleted."""
-        self._open.pop(shard, None)
+        """Close ``shard`` so its file can be deleted."""
+        h = self._open.pop(shard, None)
+        if h is not None:
+            os.close(h[0])
 
     def close(self) -> None:
+        for fd, _, _ in self._open.values():
+            os.close(fd)
         self._open.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: os may already be gone
+            pass
 
 
 def prefetch_file(path: Path) -> None:
     """Ask the kernel to start reading ``path`` into the page cache now, in large sequential
-    requests (``posix_fadvise WILLNEED``), so that later lazy (memory-mapped) reads find the
-    bytes there instead of faulting them in page by page. Best effort: returns at once, and
+    requests (``posix_fadvise WILLNEED``), so that later per-tensor reads find the bytes
+    there instead of waiting on the disk tensor by tensor. Best effort: returns at once, and
     does nothing for a missing file or where fadvise does not exist."""
     if not hasattr(os, "posix_fadvise"):
         return
@@ -181,11 +262,30 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def is_temp_name(name: str) -> bool:
+    """True for a leftover of an interrupted write: our ``<name>.tmp`` files, and the
+    ``.tmpXXXXXX`` files safetensors' ``save_file`` writes before renaming (a kill in the
+    middle of ``save_file`` leaves one behind)."""
+    return name.endswith(".tmp") or name.startswith(".tmp")
+
+
+def discard(path: Path) -> None:
+    """Remove a temp file if it exists; a failure to remove (read-only folder) is ignored,
+    since the caller is already reporting the error that made it a leftover."""
+    try:
+        Path(path).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
                        metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors shard to ``path`` through a temp name, fsync, then rename.
 
-    A crash leaves at most a ``*.tmp`` file, never a complete-looking shard.
+    A crash leaves at most temp files (:func:`is_temp_name`), never a complete-looking shard.
+    The shard gets the permissions of an ordinary new file (``0o666`` minus the umask), not
+    the ``0o600`` of the temp file safetensors writes through, so an engine running as
+    another user can read the build.
 
     Raises:
         OutputError: naming the shard when the write fails (disk full, read-only, ...).
@@ -200,9 +300,6 @@ def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except Exception as e:  # OSError, or safetensors' own error on a failed write
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        discard(tmp)
         raise OutputError(f"cannot write shard {path.name} in {path.parent}: {e}",
                           shard=path.name) from None

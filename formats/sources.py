@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from formats.checkpoint import load_index, read_all_headers
+from formats.checkpoint import scan_headers, scan_index
 from formats.shards import ShardReader, TensorInfo, prefetch_file, read_header
-from quantize.errors import SourceError
+from quantize.errors import Finding, SourceError, raise_findings
 from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast
 
-__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "open_source"]
+__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "inspect_source", "open_source"]
 
 FP8_DTYPES = {"F8_E4M3"}
 SCALE_DTYPES = {"F32", "BF16", "F16"}
@@ -118,28 +118,36 @@ class ShardFiles:
 
 
 class Source:
-    """A validated source checkpoint folder with lazy, dequantizing reads."""
+    """A source checkpoint folder with lazy, dequantizing reads.
+
+    ``findings`` holds the FP8 pairing problems found while building the logical tensors
+    (kind ``fp8``); :func:`open_source` refuses a source that has any. ``unreadable`` names
+    tensors the index lists whose shard or header entry could not be read (already reported).
+    """
 
     def __init__(self, folder: Path, config: dict, kind: SourceKind, layout: _Fp8Layout | None,
                  weight_map: dict[str, str], infos: dict[str, TensorInfo], has_data: bool = True,
-                 files: ShardFiles | None = None):
+                 files: ShardFiles | None = None, unreadable: frozenset[str] = frozenset()):
         self.folder, self.config, self.kind, self.layout = Path(folder), config, kind, layout
         self.weight_map, self.infos, self.has_data = weight_map, infos, has_data
+        self.unreadable = unreadable
         self.files = files or ShardFiles(self.folder)
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
         self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path)
-        self._build_logical()
+        self.findings = self._build_logical(unreadable)
 
     # ---- structure -------------------------------------------------------------------
-    def _build_logical(self) -> None:
-        problems = []
+    def _build_logical(self, unreadable: frozenset[str]) -> list[Finding]:
+        """Pair FP8 weights with their scales. Names in ``unreadable`` (listed, but in a shard
+        whose header failed) are already reported and never reported again here."""
+        problems: list[tuple[str, str]] = []
         suffix = self.layout.scale_suffix if self.layout else None
         for name, info in sorted(self.infos.items()):
             if suffix and name.endswith(".weight" + suffix):
-                if name[: -len(suffix)] not in self.infos:
-                    problems.append(f"orphan scale {name} in {info.shard}: no weight "
-                                    f"{name[: -len(suffix)]}")
+                if name[: -len(suffix)] not in self.infos and name[: -len(suffix)] not in unreadable:
+                    problems.append((name, f"orphan scale {name} in {info.shard}: no weight "
+                                           f"{name[: -len(suffix)]}"))
                 continue
             if self.kind is SourceKind.CT_FP8 and name.endswith(CT_DROPPED_SUFFIXES):
                 self.dropped.append(name)
@@ -147,26 +155,26 @@ class Source:
             scale = None
             if info.dtype in FP8_DTYPES:
                 if self.layout is None:
-                    problems.append(f"{name} in {info.shard} is FP8 but config.json declares no "
-                                    "FP8 quantization_config")
+                    problems.append((name, f"{name} in {info.shard} is FP8 but config.json "
+                                           "declares no FP8 quantization_config"))
                     continue
                 scale = self.infos.get(name + suffix)
                 if scale is None:
-                    problems.append(f"FP8 weight {name} in {info.shard} has no {name + suffix}")
+                    if name + suffix not in unreadable:
+                        problems.append((name, f"FP8 weight {name} in {info.shard} has no "
+                                               f"{name + suffix}"))
                     continue
                 err = self._check_scale(info, scale)
                 if err:
-                    problems.append(err)
+                    problems.append((name, err))
                     continue
             elif info.dtype.startswith("F8"):
-                problems.append(f"{name} in {info.shard} has dtype {info.dtype}; only F8_E4M3 "
-                                "FP8 sources are supported")
+                problems.append((name, f"{name} in {info.shard} has dtype {info.dtype}; only "
+                                       "F8_E4M3 FP8 sources are supported"))
                 continue
             self.tensors[name] = LogicalTensor(name, info.shard, info.shape, info.dtype, scale)
-        if problems:
-            more = [f"... and {len(problems) - 50} more"] if len(problems) > 50 else []
-            raise SourceError(f"{len(problems)} problem(s) in {self.folder.name}:\n  "
-                              + "\n  ".join(problems[:50] + more), tensor=problems[0].split(" ")[2])
+        return [Finding("error", "fp8", msg, tensor=n, shard=self.infos[n].shard)
+                for n, msg in problems]
 
     def _check_scale(self, w: TensorInfo, s: TensorInfo) -> str | None:
         if len(w.shape) != 2:
@@ -284,6 +292,26 @@ class Source:
         self._require_data(name)
         return self._reader.get(self.infos[name].shard, name)
 
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a 2-D logical tensor, as :meth:`read` would give them
+        (FP8 dequantized to float32 [stop - start, K]), reading only those rows and the
+        scale rows they use."""
+        self._require_data(name)
+        t = self.tensors[name]
+        raw = self._reader.get(t.shard, name, rows=(start, stop))
+        if t.scale is None:
+            return raw
+        lay = self.layout
+        if lay.block:
+            bh = lay.block[0]
+            s = self._reader.get(t.scale.shard, t.scale.name, rows=(start // bh, -(-stop // bh)))
+            s = s.repeat_interleave(bh, dim=0)[start - (start // bh) * bh:][: stop - start]
+            return dequantize_fp8_block(raw, s, (1, lay.block[1]))
+        scale_rows = t.scale.shape[0] if len(t.scale.shape) == 2 else 1
+        s = (self._reader.get(t.scale.shard, t.scale.name, rows=(start, stop))
+             if scale_rows == t.shape[0] and scale_rows > 1 else self.read_raw(t.scale.name))
+        return dequantize_fp8_broadcast(raw, s, lay.group)
+
     def _require_data(self, name: str) -> None:
         if not self.has_data:
             raise SourceError(f"cannot read {name}: {self.folder.name} is a header-only descriptor "
@@ -373,36 +401,73 @@ def _open_descriptor(path: Path) -> Source:
     return Source(path, config, kind, layout, {n: path.name for n in infos}, infos, has_data=False)
 
 
+def _read_config(folder: Path) -> tuple[dict, list[Finding]]:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        return {}, [Finding("error", "config", f"{folder} has no config.json", key="config.json")]
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        return {}, [Finding("error", "config", f"config.json is not valid JSON: {e}",
+                            key="config.json")]
+    if not isinstance(config, dict):
+        return {}, [Finding("error", "config", "config.json is not a JSON object",
+                            key="config.json")]
+    return config, []
+
+
+def inspect_source(folder: str | Path, files: ShardFiles | None = None
+                   ) -> tuple["Source | None", list[Finding]]:
+    """Open a source folder (or a header-only descriptor ``*.json``) and collect every
+    structural problem, of every kind, at once: config.json and its ``quantization_config``,
+    the index (entries outside the folder, missing or empty shards), every shard header,
+    index vs headers, FP8 weight/scale pairs. No tensor data is read. ``files`` says where
+    shards are and supplies their headers (default: all in ``folder``; ``quantize.hub``
+    passes one backed by the Hub and its cache).
+
+    Returns:
+        ``(source, findings)``; source is None when the config or index is unusable.
+    """
+    folder = Path(folder)
+    if folder.is_file() and folder.suffix == ".json":
+        source = _open_descriptor(folder)
+        return source, source.findings
+    if not folder.is_dir():
+        return None, [Finding("error", "config", f"source folder {folder} does not exist")]
+    config, findings = _read_config(folder)
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc = config["text_config"].get("quantization_config")
+    layout_ok = not findings
+    kind, layout = SourceKind.DENSE, None
+    if layout_ok:
+        try:
+            kind, layout = _layout_from_config(qc)
+        except SourceError as e:
+            findings.append(Finding.of(e, "config"))
+            layout_ok = False
+    files = files or ShardFiles(folder)
+    weight_map, idx_findings, listed = scan_index(folder, check_files=files.check_on_open)
+    infos, hdr_findings = scan_headers(folder, weight_map, files.header)
+    findings += idx_findings + hdr_findings
+    if not layout_ok or not weight_map:
+        return None, findings
+    unreadable = frozenset(n for n in listed if n not in infos)
+    source = Source(folder, config, kind, layout, weight_map, infos, files=files,
+                    unreadable=unreadable)
+    return source, findings + source.findings
+
+
 def open_source(folder: str | Path, files: ShardFiles | None = None) -> Source:
     """Open and validate a source folder (config, index, every shard header, FP8 pairs), or
     a header-only descriptor ``*.json`` (see module docstring).
 
-    Every check runs before any tensor data is read; all findings of one kind are reported
-    together. ``files`` says where shards are and supplies their headers (default: all in
-    ``folder``; ``quantize.hub`` passes one backed by the Hub and its cache).
+    Every check runs before any tensor data is read; all findings, of every kind, are
+    reported together (see :func:`inspect_source`).
 
     Raises:
-        SourceError: naming the file, key, shard or tensor at fault.
+        SourceError: listing each problem with the file, key, shard or tensor at fault.
     """
-    folder = Path(folder)
-    if folder.is_file() and folder.suffix == ".json":
-        return _open_descriptor(folder)
-    if not folder.is_dir():
-        raise SourceError(f"source folder {folder} does not exist")
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise SourceError(f"{folder} has no config.json", key="config.json")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise SourceError(f"config.json is not valid JSON: {e}", key="config.json") from None
-    if not isinstance(config, dict):
-        raise SourceError("config.json must hold a JSON object", key="config.json")
-    qc = config.get("quantization_config")
-    if qc is None and isinstance(config.get("text_config"), dict):
-        qc = config["text_config"].get("quantization_config")
-    kind, layout = _layout_from_config(qc)
-    files = files or ShardFiles(folder)
-    weight_map = load_index(folder, check_files=files.check_on_open)
-    infos = read_all_headers(folder, weight_map, files.header)
-    return Source(folder, config, kind, layout, weight_map, infos, files=files)
+    source, findings = inspect_source(folder, files)
+    raise_findings(findings, Path(folder).name)
+    return source

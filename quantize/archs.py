@@ -31,7 +31,10 @@ from enum import Enum
 __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "module_roles",
            "sensitive_role", "num_routed_experts", "mtp_layer_indices", "text_config",
            "tp_split", "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS",
-           "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role"]
+           "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role",
+           "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
+           "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
+           "MTP_REQUIRED_PARTS"]
 
 
 @dataclass(frozen=True)
@@ -413,3 +416,174 @@ def tp_replicated_role(name: str, shape: tuple[int, ...]) -> str | None:
     if tp_split(module) != "replicated":
         return None
     return next((label for label, pat in _REPLICA_LABELS if pat.search(module)), "replicated")
+
+# ---- calibration (layer-streamed forward through the transformers classes) ---------------
+
+FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+"""transformers >= 5 keeps routed experts in memory as two 3-D parameters [E, 2I, H] (gate
+rows then up rows) and [E, H, I] (``DeepseekV3Experts``, ``GlmMoeDsaExperts``,
+``Glm5NextTextExperts``, ``Qwen3MoeExperts``); on disk they are per expert."""
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""On-disk per-expert Linears: ``<block>.experts.<E>.{gate_proj,up_proj,down_proj}``
+(formats_spec.md A.3.1, A.3.3)."""
+
+LAYER_OUTPUT_CARRY: dict[str, tuple[str, ...]] = {
+    # Glm5NextTextDecoderLayer returns (hidden_states, topk_indices); the model passes the
+    # indices to the next layer as prev_topk_indices (DSA cross-layer top-k sharing).
+    "glm5_next_text": ("prev_topk_indices",),
+    "glm5_next": ("prev_topk_indices",),
+}
+"""Decoder layers that return ``(hidden_states, *extras)``: the keyword arguments of the next
+layer that the extras feed, in order. Layers of other model types return the hidden state."""
+
+ATTENTION_CHILDREN = ("self_attn", "attention", "attn")
+"""Attribute names of a decoder layer's attention block; compressed-tensors stores FP8 KV
+scales on it as ``<layer>.self_attn.k_scale`` (formats_spec.md B.4)."""
+
+_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
+
+
+def expert_of(module: str) -> tuple[str, int, str] | None:
+    """``model.layers.3.mlp.experts.7.up_proj`` -> ``("model.layers.3.mlp.experts", 7,
+    "up_proj")``; None for a module that is not a routed expert's Linear."""
+    m = _EXPERT.match(module)
+    return (m["block"], int(m["e"]), m["proj"]) if m else None
+
+
+def is_mla_attention(attention: str, modules: set[str]) -> bool:
+    """True for DeepSeek / GLM multi-head latent attention: the KV cache holds the
+    compressed latent (``kv_a_layernorm`` output + the rope part of ``kv_a_proj_with_mqa``),
+    one record per token, quantized with the layer's ``k_scale`` (vLLM MLAAttention)."""
+    return f"{attention}.kv_a_proj_with_mqa" in modules
+
+
+# ---- config vs checkpoint layout (pre-flight) ---------------------------------------------
+_TEXT_LAYER = re.compile(r"^(?P<pre>(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.)(\d+)\.(.+)$")
+_LAYER_EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe|moe)\.experts\.(?P<e>\d+)\.(?P<part>.+)$")
+_ROUTER_WEIGHT = re.compile(r"^(?:mlp|block_sparse_moe|moe)\.(?:gate|router)\.weight$")
+MTP_REQUIRED_PARTS = MTP_EXTRA_TENSORS[:3]
+"""The MTP tensors every DeepSeek / GLM release has (``enorm``, ``hnorm``, ``eh_proj``); the
+shared head and embedding duplicate the main ones and are not required."""
+
+
+def _spans(ids) -> str:
+    """Sorted integers as compact ranges: 0-3, 7, 9-10."""
+    ids, out = sorted(ids), []
+    for i in ids:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
+
+
+def moe_layer_indices(config: dict) -> set[int] | None:
+    """Decoder layers (< num_hidden_layers) that the config makes MoE, or None when the config
+    does not say: ``first_k_dense_replace`` (DeepSeek-V3, GLM-4.5: layers from k on) or
+    ``mlp_layer_types`` (GLM-5: ``"sparse"`` entries)."""
+    cfg = text_config(config)
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int) or num_routed_experts(config) is None:
+        return None
+    types = cfg.get("mlp_layer_types")
+    if isinstance(types, list) and len(types) == n:
+        return {i for i, t in enumerate(types) if t == "sparse"}
+    k = cfg.get("first_k_dense_replace")
+    if isinstance(k, int):
+        return set(range(k, n))
+    return None
+
+
+def check_layout(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, str, str | None]]:
+    """Does the checkpoint have the layers, MTP layers and experts its config declares?
+
+    Checks (text model only; vision towers are skipped): decoder layers
+    ``0 .. num_hidden_layers + num_nextn_predict_layers - 1`` all present and none beyond
+    (warning); each MTP layer has :data:`MTP_REQUIRED_PARTS`; in every layer with routed
+    experts, expert ids are exactly ``0 .. n_routed_experts - 1``, every expert has the same
+    tensors with the same shapes, and the router has ``n_routed_experts`` rows; MoE / dense
+    placement agrees with ``first_k_dense_replace`` / ``mlp_layer_types``.
+
+    Args:
+        config: the source config.json.
+        shapes: every stored tensor name (scales included) -> shape, or None where the
+            shape is unknown (its shard header is unreadable): presence is still checked.
+
+    Returns:
+        ``(level, message, tensor)`` triples, level ``error`` / ``warning`` / ``info``
+        (a single info when the config has no ``num_hidden_layers`` to compare against).
+    """
+    cfg = text_config(config)
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int):
+        return [("info", "config.json has no num_hidden_layers: layers, MTP layers and experts "
+                 "not checked against it", None)]
+    k = cfg.get("num_nextn_predict_layers") or 0
+    n_exp = num_routed_experts(config)
+    out: list[tuple[str, str, str | None]] = []
+    layers: dict[int, dict[str, tuple[int, ...]]] = {}
+    prefix: dict[int, str] = {}
+    for name, shape in shapes.items():
+        m = _TEXT_LAYER.match(name)
+        if m and not _VISION.search(name):
+            layers.setdefault(int(m[2]), {})[m[3]] = shape
+            prefix[int(m[2])] = m["pre"]
+    want = set(range(n + k))
+    if want - set(layers):
+        out.append(("error", f"config.json declares num_hidden_layers={n}"
+                    + (f" + num_nextn_predict_layers={k}" if k else "")
+                    + f" but the checkpoint has no tensors for layer(s) {_spans(want - set(layers))}",
+                    None))
+    if set(layers) - want:
+        out.append(("warning", f"checkpoint has layer(s) {_spans(set(layers) - want)} beyond the "
+                    f"{n + k} layers config.json declares; they are converted as stored", None))
+    for j, layer in enumerate(range(n, n + k)):
+        lacking = [p for p in MTP_REQUIRED_PARTS if p not in layers.get(layer, {})]
+        if layer in layers and lacking:
+            out.append(("error", f"MTP layer {layer} (num_hidden_layers + {j}) lacks "
+                        f"{', '.join(lacking)}", f"{prefix[layer]}{layer}.{lacking[0]}"))
+    moe = moe_layer_indices(config)
+    for layer, parts in sorted(layers.items()):
+        experts: dict[int, dict[str, tuple[int, ...]]] = {}
+        block = None
+        for part, shape in parts.items():
+            m = _LAYER_EXPERT.match(part)
+            if m:
+                block = m["block"]
+                experts.setdefault(int(m["e"]), {})[m["part"]] = shape
+        where = f"layer {layer}"
+        if moe is not None and layer < n and (layer in moe) != bool(experts):
+            say = "MoE" if layer in moe else "dense"
+            out.append(("error", f"config.json makes {where} {say} but the checkpoint has "
+                        f"{'no' if layer in moe else len(experts)} routed experts there", None))
+        if not experts:
+            continue
+        if n_exp is not None and set(experts) != set(range(n_exp)):
+            lost, odd = set(range(n_exp)) - set(experts), set(experts) - set(range(n_exp))
+            msg = f"{where} has {len(experts)} routed experts, config.json declares {n_exp}"
+            msg += f"; missing expert(s) {_spans(lost)}" if lost else ""
+            msg += f"; unexpected expert(s) {_spans(odd)}" if odd else ""
+            out.append(("error", msg, None))
+        all_parts = sorted(set().union(*experts.values()))
+        for part in all_parts:
+            seen = {e: p[part] for e, p in experts.items() if part in p}
+            if len(seen) != len(experts):
+                lacking = sorted(set(experts) - set(seen))
+                out.append(("error", f"{where}: expert(s) {_spans(lacking)} lack "
+                            f"{block}.experts.N.{part}, which the other experts have",
+                            f"{prefix[layer]}{layer}.{block}.experts.{lacking[0]}.{part}"))
+            seen = {e: s for e, s in seen.items() if s is not None}
+            if not seen:
+                continue
+            common = max(set(seen.values()), key=list(seen.values()).count)
+            odd = sorted(e for e, s in seen.items() if s != common)
+            if odd:
+                out.append(("error", f"{where}: {block}.experts.N.{part} of expert(s) "
+                            f"{_spans(odd)} is {list(seen[odd[0]])}, the other experts' "
+                            f"{list(common)}", f"{prefix[layer]}{layer}.{block}.experts.{odd[0]}.{part}"))
+        for part, shape in parts.items():
+            if _ROUTER_WEIGHT.match(part) and n_exp is not None and shape and shape[0] != n_exp:
+                out.append(("error", f"{where}: router {part} has {shape[0]} rows but config.json "
+                            f"declares {n_exp} routed experts", f"{prefix[layer]}{layer}.{part}"))
+    return out

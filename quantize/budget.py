@@ -19,7 +19,9 @@ GiB = 2**30
 
 
 def _size(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def predicted_output_bytes(source: Source, predicted: dict[str, dict],

@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from quantize.errors import CardError, OutputError
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
+from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
+from quantize.redact import redact
 
 __all__ = ["CARDS", "TEMPLATE", "REPORT", "PLAN", "load_build", "read_gate", "render_card",
            "validate_card"]
@@ -42,7 +43,7 @@ def load_build(build: Path) -> dict:
             or a file the manifest lists is missing or has another size.
     """
     build = Path(build)
-    if not (build / MANIFEST_NAME).is_file() or (build / PROGRESS_NAME).exists():
+    if not (build / MANIFEST_NAME).is_file() or has_ledger(build):
         raise OutputError(f"{build} is not a finished build (no {MANIFEST_NAME}, or an "
                           f"unfinished {PROGRESS_NAME}); finish it with `quantize nvfp4 "
                           "--resume` first", key=MANIFEST_NAME)
@@ -161,6 +162,7 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
         source_files=bool(source_files),
         license=lic)
     card.content = re.sub(r"\n{3,}", "\n\n", card.content)  # blank runs left by template tags
+    card.content = redact(card.content)  # no token reaches a published card
     return card
 
 

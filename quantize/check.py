@@ -18,6 +18,9 @@ Rules, each a finding with the tensor or module it is about (formats_spec.md B.3
 - ``mtp``: each MTP layer (index from config) is present and complete, ``eh_proj`` unquantized.
 - ``sensitive``: routers and other sensitive modules unquantized; model-specific loader rows.
 - ``scale``: no NaN / Inf / non-positive scale value, no 0x7F / 0xFF e4m3 byte (FC-11).
+- ``calibration`` (compressed-tensors): W4A4 input scales present on every NVFP4 module and
+  equal inside fused groups, none in a weight-only build, k/v scales paired and positive
+  (``quantize.calib_check``).
 """
 
 import fnmatch
@@ -406,4 +409,10 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
             _check_scales(mods, reader, out)
     finally:
         reader.close()
+    if fmt == "compressed-tensors" and scan_scales:
+        from quantize.calib_check import check_activation_scales
+
+        for msg in check_activation_scales(folder):
+            where, _, what = msg.partition(": ")
+            out.append(Finding("error", "calibration", what or msg, where if what else None))
     return sorted(out, key=lambda f: (f.level != "error", f.rule, f.tensor or ""))

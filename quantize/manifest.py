@@ -7,10 +7,14 @@
 - ``.spark-quant-progress.json`` is the ledger of finished output shards while a build runs:
   the job fingerprint (options + source headers + decisions) and each shard's sha256, plus the
   amax of every tensor read so far (float32 as ``float.hex``, exact), so a resumed run gets a
-  fused group's shared global scale without re-reading (or re-downloading) finished shards.
-  It is removed when the build completes. When several ranks convert (quantize/parallel.py),
-  each keeps ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the
-  number of ranks then.
+  fused group's shared global scale without re-reading (or re-downloading) finished shards,
+  and each finished shard's data findings (all-zero weights, block scales at the e4m3 floor)
+  so a resumed build reports the same notes as an uninterrupted one. It is removed when the
+  build completes. When several ranks convert (quantize/parallel.py), each keeps
+  ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the number of
+  ranks then.
+
+Every string in the manifest passes through ``quantize.redact`` (no tokens in manifests).
 """
 
 import hashlib
@@ -18,18 +22,21 @@ import json
 from pathlib import Path
 
 from formats.checkpoint import write_json_atomic
-from formats.shards import sha256_file
+from formats.shards import is_temp_name, sha256_file
 from quantize.errors import OutputError
+from quantize.redact import redact_obj
 
 __all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "has_ledger",
-           "remove_ledgers", "write_manifest"]
+           "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint"]
 
 MANIFEST_NAME = "spark_quant_manifest.json"
 PROGRESS_NAME = ".spark-quant-progress.json"
 _PROGRESS_GLOB = ".spark-quant-progress*.json"
 
 
-def _is_ledger(rel: str) -> bool:
+def is_ledger_name(rel: str) -> bool:
+    """True for the resume ledger of a single run or of one rank (a path relative to the
+    build folder)."""
     return Path(rel).match(_PROGRESS_GLOB)
 
 
@@ -58,7 +65,7 @@ class Ledger:
                     job_seen, done = data["job"], data["shards"]
                     if not isinstance(done, dict):
                         raise TypeError("shards is not an object")
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                except (OSError, ValueError, KeyError, TypeError) as e:
                     raise OutputError(f"resume ledger {p} is corrupt ({e}); delete it to "
                                       "start this build over", key=p.name) from None
                 if job_seen != job:
@@ -91,16 +98,23 @@ class Ledger:
                 out.update({n: float.fromhex(v) for n, v in entry.get("values", {}).items()})
         return out
 
-    def mark(self, shard: str, sources: dict[str, list], amax: dict[str, dict] | None = None) -> str:
-        """Record ``shard`` finished (sha256, source identities) and the amaxes known so far
-        (``{source shard: {"id": identity, "values": {tensor: float}}}``)."""
+    def mark(self, shard: str, sources: dict[str, list], amax: dict[str, dict] | None = None,
+             stats: dict | None = None) -> str:
+        """Record ``shard`` finished (sha256, source identities, its data findings ``stats``)
+        and the amaxes known so far (``{source shard: {"id": identity, "values": {tensor:
+        float}}}``)."""
         digest = sha256_file(self.out / shard)
-        self.done[shard] = {"sha256": digest, "sources": sources}
+        self.done[shard] = {"sha256": digest, "sources": sources, "stats": stats or {}}
         for src, entry in (amax or {}).items():
             self.amax[src] = {"id": entry["id"],
                               "values": {n: float(v).hex() for n, v in sorted(entry["values"].items())}}
         self._save()
         return digest
+
+    def stats(self, shard: str) -> dict:
+        """Data findings recorded for a finished ``shard`` (empty if none)."""
+        entry = self.done.get(shard)
+        return entry.get("stats", {}) if isinstance(entry, dict) else {}
 
     def _save(self) -> None:
         write_json_atomic({"job": self.job, "shards": self.done, "amax": self.amax}, self.path)
@@ -120,6 +134,22 @@ def remove_ledgers(out: Path) -> None:
         p.unlink(missing_ok=True)
 
 
+def resume_hint(out: Path) -> str | None:
+    """How far an interrupted build in ``out`` got (over every rank's ledger) and how to
+    continue it, or None when ``out`` holds no progress ledger."""
+    done, found = 0, False
+    for p in Path(out).glob(_PROGRESS_GLOB):
+        try:
+            done += len(json.loads(p.read_text()).get("shards", {}))
+            found = True
+        except (OSError, ValueError, AttributeError):
+            continue
+    if not found:
+        return None
+    return (f"{done} output shard(s) are finished in {out}; fix the cause and rerun the same "
+            "command with --resume to continue")
+
+
 def write_manifest(out: Path, info: dict, digests: dict[str, str] | None = None) -> dict:
     """Hash every file in ``out`` (except the manifest and ledger) into ``info["files"]`` and
     write the manifest atomically. ``digests`` (file name -> sha256 the ledgers recorded when
@@ -130,8 +160,8 @@ def write_manifest(out: Path, info: dict, digests: dict[str, str] | None = None)
     files = {}
     for p in sorted(out.rglob("*")):
         rel = str(p.relative_to(out))
-        if p.is_file() and rel != MANIFEST_NAME and not _is_ledger(rel) and not rel.endswith(".tmp"):
+        if p.is_file() and rel != MANIFEST_NAME and not is_ledger_name(rel) and not is_temp_name(p.name):
             files[rel] = {"sha256": digests.get(rel) or sha256_file(p), "bytes": p.stat().st_size}
-    manifest = dict(info, files=files)
+    manifest = redact_obj(dict(info, files=files))
     write_json_atomic(manifest, out / MANIFEST_NAME)
     return manifest

@@ -1,19 +1,21 @@
 """``convert()``: stream a checkpoint shard by shard from FP8 (or dense) to NVFP4.
 
-Steps: open and validate the source (a folder, or a Hub repo whose shards ``quantize.hub``
-fetches on first read and deletes after their last) -> decide every tensor (``quantize.plan``,
-recipe, TP / engine alignment) -> check the free disk -> per source shard, read lazily,
-quantize (NVFP4 in the output format's arithmetic order, block FP8 passed through, MXFP8),
-check the shard against the planned layout, write it atomically -> index, config
-(+ hf_quant_config.json for ModelOpt), carried files -> ``quantize check`` -> manifest (only
-when the check has no error).
+Steps: pre-flight (``quantize.preflight``: the source, a folder or a Hub repo whose shards
+``quantize.hub`` fetches on first read and deletes after their last, checked whole with every
+finding at once; every tensor decided by ``quantize.plan``, recipe, TP / engine alignment; the
+output folder and its free disk) -> per source shard, read lazily, refuse NaN / Inf / absurd
+amax, quantize (NVFP4 in the output format's arithmetic order, block FP8 passed through,
+MXFP8), check the shard against the planned layout, write it atomically -> index, carried
+files, config (+ hf_quant_config.json for ModelOpt) -> ``quantize check`` -> manifest (only
+when the check has no error). Calibration statistics (``quantize calibrate``) add W4A4 input
+scales and FP8 KV scales, and weight the block-scale search (``--scales``).
 Reading, quantizing and writing overlap (``quantize.overlap``: a reader thread, this thread, a
-writer thread), NVFP4 goes through the fused kernels of ``quantize.kernels.fused``, and shards
-can be divided among processes or torchrun ranks (``quantize.parallel``). Peak memory is two
-output shards plus a few prepared tensors and one fused group, whatever the model size.
+writer thread), NVFP4 goes through the fused kernels of ``quantize.kernels.fused`` (the
+block-scale search through the reference arithmetic), and shards can be divided among
+processes or torchrun ranks (``quantize.parallel``). Peak memory is two output shards plus a
+few prepared tensors and one fused group, whatever the model size.
 """
 
-import ctypes
 import json
 import os
 import threading
@@ -21,36 +23,36 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
+from calibrate.stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
-from formats.shards import dtype_name, write_shard_atomic
-from formats.sources import ShardFiles, Source, open_source
+from formats.shards import discard, dtype_name, is_temp_name, write_shard_atomic
+from formats.sources import ShardFiles, Source
 from quantize import __version__
-from quantize.budget import check_free_disk, predicted_output_bytes
-from quantize.errors import CheckFailed, OutputError, SourceError
+from quantize.act_plan import calibration_record, input_amax_plan, kv_scale_tensors
+from quantize.errors import CalibrationError, CheckFailed, OutputError, SourceError
+from quantize.kernels.act_scales import input_global_scale_from_amax, input_scale_from_amax
 from quantize.kernels.fp8 import quantize_fp8_block
-from quantize.kernels.mxfp8 import quantize_mxfp8
 from quantize.kernels.fused import Prepared, choose_backend, prepare_float, prepare_fp8
+from quantize.kernels.mxfp8 import quantize_mxfp8
 from quantize.kernels.nvfp4 import global_scale_from_amax, scale_2_from_amax
-from quantize.manifest import (MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, has_ledger,
-                               remove_ledgers, write_manifest)
+from quantize.kernels.scale_search import quantize_nvfp4_search
+from quantize.memory import bound_allocator, release_freed_memory
+from quantize.manifest import (MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, remove_ledgers,
+                               write_manifest)
 from quantize.overlap import Consumer, Producer
 from quantize.parallel import World, assign_shards, current_world, spawn_local
-from quantize.plan import Decision, dropped_tensors, tied_embeddings, fp8_passthrough, module_of, plan_tensors, predict_outputs
+from quantize.plan import (Decision, dropped_tensors, fp8_passthrough, module_of, predict_outputs,
+                           tied_embeddings)
+from quantize.preflight import ABSURD_AMAX, MIN_AMAX, preflight
 from quantize.recipe import Target, load_recipe
 
 __all__ = ["Summary", "convert"]
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _LIBC.malloc_trim
-except (OSError, AttributeError):  # not glibc
-    _LIBC = None
-
 
 @dataclass
 class Summary:
@@ -85,26 +87,6 @@ class Summary:
         return "\n".join(lines)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def _bound_allocator() -> None:
-    """Serve every allocation of 1 MiB or more with its own mmap (glibc ``mallopt``).
-
-    glibc otherwise raises its mmap threshold after the first large free and carves later
-    tensors out of the heap, where fragmentation makes peak RSS creep up shard after shard;
-    with a fixed threshold peak RSS stays flat in the number of shards (FC-04).
-    """
-    if _LIBC is not None:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-
-
-def _release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS after each shard (glibc ``malloc_trim``)."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
 def _resolve_device(device: str, world: World) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,42 +101,57 @@ def _resolve_device(device: str, world: World) -> torch.device:
         dev = torch.device("cuda", local % torch.cuda.device_count())
     return dev
 
+_CARRY_SKIP = frozenset({"config.json", MANIFEST_NAME, PROGRESS_NAME, "hf_quant_config.json"})
 
-def _prepare_out(src: Path, out: Path, resume: bool) -> None:
-    """Refuse an --out that would overwrite the source or an unrelated folder; on resume,
-    remove the files that mark a build complete before any shard is touched."""
-    s, o = src.resolve(), out.resolve()
-    if o == s or o.is_relative_to(s):
-        raise OutputError(f"--out {out} is the source folder or inside it; choose a folder "
-                          "outside the source", key=str(out))
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"--out {out} exists and is not a folder", key=str(out))
-    if out.exists() and any(out.iterdir()):
-        ours = has_ledger(out) or (out / MANIFEST_NAME).exists()
-        if not resume:
-            raise OutputError(f"output folder {out} is not empty; "
-                              + ("pass --resume to continue that build" if ours else
-                                 "choose another --out"), key=str(out))
-        if not ours:
-            raise OutputError(f"--resume: {out} holds no spark-quant build (no "
-                              f"{PROGRESS_NAME} or {MANIFEST_NAME}); refusing to write into it",
-                              key=str(out))
+
+def _prepare_out(out: Path, resume: bool) -> None:
+    """Create ``out`` (pre-flight has checked it); on resume, before any shard is touched,
+    remove the files that mark a build complete and the temp files a killed run left (never
+    complete files: every write goes through a temp name and a rename)."""
+    if resume and out.is_dir():
         for name in (MANIFEST_NAME, INDEX_NAME, "config.json"):
             (out / name).unlink(missing_ok=True)
+        for p in out.rglob("*"):
+            if p.is_file() and is_temp_name(p.name):
+                discard(p)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create --out {out}: {e}", key=str(out)) from None
 
 
-def _check_finite(name: str, t: torch.Tensor, source: Source) -> None:
-    """Refuse NaN / Inf in anything written from floating-point data (FP8 after dequant)."""
-    if t.is_floating_point() and not torch.isfinite(t).all():
-        info = source.tensors[name]
-        what = "after dequantization " if info.is_fp8 else ""
-        bad = int((~torch.isfinite(t)).sum())
-        raise SourceError(f"tensor {name} in shard {info.shard} has {bad} NaN/Inf values "
-                          f"{what}; refusing to write a silent NaN", tensor=name, shard=info.shard)
+
+def _checked_amax(name: str, t: torch.Tensor, source: Source, nvfp4: bool) -> float | None:
+    """amax of a float tensor about to be written or quantized, after the value checks
+    (:func:`_refuse_amax`); None for non-float tensors."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return None
+    amax = t.abs().amax().float().item()  # NaN and Inf propagate through amax
+    _refuse_amax(name, amax, source, nvfp4, lambda: t)
+    return amax
+
+
+def _refuse_amax(name: str, amax: float, source: Source, nvfp4: bool, values) -> None:
+    """Refuse a tensor by its ``amax`` (max |w|, as a fast kernel or the reference measured
+    it); ``values()`` gives the tensor, read only to count the NaN / Inf in the message.
+
+    Raises:
+        SourceError: NaN / Inf values (never a silent NaN in a build; FP8 after
+            dequantization); for an NVFP4 target, an amax above ``ABSURD_AMAX`` or a non-zero
+            amax below ``MIN_AMAX``.
+    """
+    info = source.tensors[name]
+    if amax != amax or amax == float("inf"):
+        what = " after dequantization" if info.is_fp8 else ""
+        bad = int((~torch.isfinite(values())).sum())
+        raise SourceError(f"tensor {name} in shard {info.shard} has {bad} NaN/Inf values{what}; "
+                          "refusing to write a silent NaN", tensor=name, shard=info.shard)
+    if nvfp4 and (amax > ABSURD_AMAX or 0 < amax < MIN_AMAX):
+        raise SourceError(
+            f"tensor {name} in shard {info.shard} has amax {amax:.3g}, outside [{MIN_AMAX:.2g}, "
+            f"{ABSURD_AMAX:g}] where an NVFP4 global scale 2688/amax is meaningful: a corrupt "
+            f"weight. To carry it unquantized instead, add a recipe rule matching "
+            f"{module_of(name)} with target bf16", tensor=name, shard=info.shard)
 
 
 def _set_tie(config: dict, value: bool) -> None:
@@ -179,6 +176,26 @@ def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> 
     return {f: source.files.identity(f) for f in sorted(files)}
 
 
+SCALE_METHODS = ("rtn", "mse", "mse-act")
+"""Block-scale choice: round-to-nearest, least-squares search (``kernels.scale_search``), or
+the search weighted by calibration activations (needs ``calibration``)."""
+
+
+def _check_scale_method(scales: str, order: str) -> None:
+    """The block-scale search runs in compressed-tensors' arithmetic order only.
+
+    Raises:
+        ValueError: unknown method, or a search asked for a ModelOpt (``scale_2``) build.
+    """
+    if scales not in SCALE_METHODS:
+        raise ValueError(f"unknown --scales {scales!r} (valid: {', '.join(SCALE_METHODS)})")
+    if scales != "rtn" and order != "global":
+        raise ValueError(f"--scales {scales} searches block scales in compressed-tensors' arithmetic "
+                         f"order (quantize-direction global scale); the {order!r} order of this output "
+                         "format (ModelOpt) is not supported by the search yet: use --scales rtn or "
+                         "--format compressed-tensors")
+
+
 @dataclass
 class _Job:
     """Everything decided before any tensor data is read; the same on every rank."""
@@ -190,9 +207,41 @@ class _Job:
     writer: object  # the output format's module (formats.get_writer)
     out_shards: list[str]  # output shards, in source order (shards with something to write)
     shard_bytes: dict[str, int]
+    scales: str = "rtn"  # SCALE_METHODS
+    channel_weight: dict[str, torch.Tensor] = field(default_factory=dict)  # mse-act, by module
+    input_amax: dict[str, float] = field(default_factory=dict)  # W4A4, by module
+    kv_tensors: dict[str, dict] = field(default_factory=dict)  # KV scales, by the tensor they follow
+
+
+class _Searched(Prepared):
+    """A float32 weight whose block scales come from the least-error search
+    (``kernels.scale_search``, compressed-tensors order only); reference arithmetic."""
+
+    def __init__(self, w: torch.Tensor, amax: float, channel_weight: torch.Tensor | None):
+        self.w, self.channel_weight = w, channel_weight
+        self.amax = torch.tensor(amax, dtype=torch.float32)
+
+    def quantize(self, scalar):
+        p, s = quantize_nvfp4_search(self.w, scalar, channel_weight=self.channel_weight)
+        return p.cpu(), s.cpu()
 
 
 _SKIPPED = object()  # a shard the ledger has as finished
+
+
+class _Quantize(NamedTuple):
+    """An NVFP4 weight ready for the kernel (run in the quantize stage)."""
+
+    prep: Prepared
+    global_scale: torch.Tensor
+    scale_2: torch.Tensor
+
+
+class _Ready(NamedTuple):
+    """Tensors to write as they are; ``amax`` for the shard's data findings (2-D only)."""
+
+    tensors: dict[str, torch.Tensor]
+    amax: float | None
 
 
 class _Reader:
@@ -204,7 +253,10 @@ class _Reader:
     NVFP4 uses the output format's arithmetic order (``writer.NVFP4_ORDER``): the
     compressed-tensors quantize-direction global scale, or ModelOpt's dequant-direction
     ``scale_2``; both scalars come from the same fused-group amax. ``known_amax`` holds the
-    amax values an interrupted run already measured (from the resume ledger).
+    amax values an interrupted run already measured (from the resume ledger). ``job.scales``
+    (:data:`SCALE_METHODS`) picks round-to-nearest block scales (fast kernels) or the
+    least-error search (reference arithmetic), weighted per input channel by
+    ``job.channel_weight[module]`` for ``mse-act``.
     """
 
     def __init__(self, job: _Job, ledger: Ledger, device: torch.device, kernel: str,
@@ -225,7 +277,12 @@ class _Reader:
         return out
 
     def prepare(self, name: str) -> Prepared:
-        source = self.job.source
+        source, job = self.job.source, self.job
+        if job.scales != "rtn":
+            w = self._load(name, nvfp4=True)
+            cw = job.channel_weight.get(module_of(name)) if job.scales == "mse-act" else None
+            prep = _Searched(w.to(self.device), float(self._amax[name]), cw)
+            return prep
         backend = choose_backend(self.kernel, self.device, source.tensors[name].numel)
         fp8 = source.read_fp8(name)
         if fp8 is not None:
@@ -234,8 +291,8 @@ class _Reader:
             prep = prepare_float(source.read(name), backend=backend, device=self.device,
                                  order=self.order)
         prep.amax = prep.amax.cpu()
-        if not torch.isfinite(prep.amax):  # the count and the message come from the reference
-            _check_finite(name, source.read(name).to(torch.float32), source)
+        _refuse_amax(name, float(prep.amax), source, True,
+                     lambda: source.read(name).to(torch.float32))
         self._amax[name] = prep.amax
         return prep
 
@@ -244,10 +301,9 @@ class _Reader:
             self.prepare(name)
         return self._amax[name]
 
-    def _load(self, name: str) -> torch.Tensor:
+    def _load(self, name: str, nvfp4: bool = False) -> torch.Tensor:
         w = self.job.source.read(name).to(torch.float32)
-        _check_finite(name, w, self.job.source)
-        self._amax[name] = w.abs().amax()
+        self._amax[name] = torch.tensor(_checked_amax(name, w, self.job.source, nvfp4) or 0.0)
         return w
 
     def fp8_block(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,9 +316,9 @@ class _Reader:
 
     def items(self, shards: list[str], written=None):
         """Yield, per shard of ``shards`` (in stream order): ``(shard, name, value)`` for each
-        output tensor, value ``(Prepared, global_scale, scale_2)`` for an NVFP4 weight, else a
-        dict of tensors to write; then ``(shard, None, (deps, amaxes))``; or only
-        ``(shard, _SKIPPED, None)`` when an earlier run finished it.
+        output tensor, value a :class:`_Quantize` for an NVFP4 weight, else a :class:`_Ready`;
+        then ``(shard, None, (deps, amaxes))``; or only ``(shard, _SKIPPED, None)`` when an
+        earlier run finished it.
 
         ``written(shard)``, when given, blocks until ``shard`` is on disk: the reader then
         moves on (and the stream releases or fetches source shards) only as a sequential run
@@ -290,19 +346,65 @@ class _Reader:
                     amax = torch.stack([self.amax(n) for n in group]).amax()
                     for n in here:
                         done.add(n)
-                        yield shard, n, (preps.pop(n), global_scale_from_amax(amax),
-                                         scale_2_from_amax(amax))
+                        yield shard, n, _Quantize(preps.pop(n), global_scale_from_amax(amax),
+                                                  scale_2_from_amax(amax))
                 elif d.target is Target.FP8_BLOCK:
-                    yield shard, t.name, job.writer.emit_fp8_block(mod, *self.fp8_block(t.name))
+                    yield shard, t.name, _Ready(job.writer.emit_fp8_block(mod, *self.fp8_block(t.name)), None)
                 elif d.target is Target.MXFP8:
-                    yield shard, t.name, job.writer.emit_mxfp8(mod, *quantize_mxfp8(self._load(t.name)))
+                    yield shard, t.name, _Ready(job.writer.emit_mxfp8(mod, *quantize_mxfp8(self._load(t.name))), None)
                 else:
                     x = source.read(t.name)
-                    _check_finite(t.name, x, source)
-                    yield shard, t.name, {t.name: x.to(torch.bfloat16) if d.target is Target.BF16 else x}
+                    x = x.to(torch.bfloat16) if d.target is Target.BF16 else x
+                    amax = _checked_amax(t.name, x, source, nvfp4=False)
+                    yield shard, t.name, _Ready({t.name: x}, amax if x.ndim == 2 else None)
             yield shard, None, (deps, self.amaxes())
             if written is not None:
                 written(shard)
+
+
+@dataclass
+class _Calibration:
+    stats: "CalibStats | None"
+    sha256: str | None
+    min_tokens: int
+    notes: list[str]
+
+
+def _calibration(path, scheme: str, kv_cache: str | None, scales: str, order: str,
+                 min_tokens: int | None) -> _Calibration:
+    """Load and check the calibration options together, before any work."""
+    if scheme not in ("w4a16", "w4a4"):
+        raise ValueError(f"unknown scheme {scheme!r} (valid: w4a16, w4a4)")
+    _check_scale_method(scales, order)
+    if kv_cache not in (None, "fp8"):
+        raise ValueError(f"unknown --kv-cache {kv_cache!r} (valid: fp8)")
+    need = [why for why, on in (("--scheme w4a4", scheme == "w4a4"), ("--scales mse-act", scales == "mse-act"))
+            if on]
+    min_tokens = DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens
+    if path is None:
+        if need:
+            raise CalibrationError(f"{need[0]} needs --calibration STATS (run `quantize calibrate` first)")
+        notes = ["FP8 KV cache declared without calibration: engines use k/v scales of 1.0"] if kv_cache else []
+        return _Calibration(None, None, min_tokens, notes)
+    stats = CalibStats.load(path)
+    if scales == "mse-act" and not stats.channel_sq_mean:
+        raise CalibrationError(f"--scales mse-act needs channel statistics; {path} has none "
+                               "(recalibrate without --no-channels)")
+    p = Path(path)
+    digest = fingerprint({"json": (p / STATS_FILE if p.is_dir() else p).read_text()})
+    notes = []
+    bad = stats.uncovered_experts(min_tokens)
+    if bad and scheme == "w4a4":
+        notes.append(f"{len(bad)} routed expert(s) saw fewer than {min_tokens} calibration tokens and use "
+                     "the layer's max input amax over experts (listed in the manifest)")
+    return _Calibration(stats, digest, min_tokens, notes)
+
+
+def _model_dtype(config: dict) -> torch.dtype:
+    """The checkpoint's declared dtype (``torch_dtype`` / ``dtype``), bfloat16 by default."""
+    cfg = config.get("text_config") or config
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return {"float32": torch.float32, "float16": torch.float16}.get(name, torch.bfloat16)
 
 
 def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tuple], shard: str) -> None:
@@ -315,25 +417,26 @@ def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tup
         raise OutputError(f"internal: shard {shard} does not match the planned layout: {diff}", shard=shard)
 
 
+
 def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
-                    device: torch.device, kernel: str, bar) -> tuple[int, int, int, dict]:
+                    device: torch.device, kernel: str, bar) -> tuple[int, int, int, dict, dict]:
     """Convert ``shards`` with reading, quantizing and writing overlapped (quantize/overlap.py):
     at most 2 prepared tensors wait for the quantizer and 1 finished shard for the writer.
 
     Returns:
         (shards written, shards skipped because a ledger has them, elements quantized,
-        {shard: sha256} of these shards).
+        {shard: sha256}, {shard: data findings} of these shards).
     """
-    source = job.source
+    source, writer = job.source, job.writer
     counts = {"written": 0, "skipped": 0}
     on_disk, changed, cancel = set(), threading.Condition(), threading.Event()
 
     def write(item) -> None:
-        shard, tensors, deps, amaxes = item
+        shard, tensors, deps, amaxes, stats = item
         write_shard_atomic(tensors, out / shard)
         tensors.clear()
-        _release_freed_memory()
-        ledger.mark(shard, deps, amaxes)
+        release_freed_memory()
+        ledger.mark(shard, deps, amaxes, stats)
         counts["written"] += 1
         bar.update(job.shard_bytes[shard])
         with changed:
@@ -355,26 +458,37 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
     elements = 0
     try:
         tensors: dict[str, torch.Tensor] = {}
+        stats: dict = {}
         for shard, name, value in reader:
             if name is _SKIPPED:
                 counts["skipped"] += 1
                 bar.update(job.shard_bytes[shard])
-            elif name is None:
+                continue
+            if name is None:
                 members = [t.name for t in source.tensors_in(shard) if t.name not in job.skip]
                 _assert_predicted(tensors, {k: v for n in members
                                             for k, v in job.predicted[n].items()}, shard)
                 bar.set_postfix_str(shard)
-                saver.put((shard, tensors, *value))
-                tensors = {}
-            elif isinstance(value, tuple):  # NVFP4: the kernel runs here
+                saver.put((shard, tensors, *value, stats))
+                tensors, stats = {}, {}
+                continue
+            if isinstance(value, _Quantize):  # NVFP4: the kernel runs here
                 prep, g, s2 = value
-                packed, scale = prep.quantize(s2 if job.writer.NVFP4_ORDER == "scale_2" else g)
-                tensors.update(job.writer.emit_nvfp4(module_of(name), packed, scale, g, s2))
+                packed, scale = prep.quantize(s2 if writer.NVFP4_ORDER == "scale_2" else g)
+                mod = module_of(name)
+                a_in = job.input_amax.get(mod)
+                tensors.update(writer.emit_nvfp4(
+                    mod, packed, scale, g, s2,
+                    input_global_scale=input_global_scale_from_amax(a_in) if a_in is not None else None,
+                    input_scale=input_scale_from_amax(a_in) if a_in is not None else None))
+                _shard_stats(stats, name, float(prep.amax), scale)
                 elements += source.tensors[name].numel
             else:
-                tensors.update(value)
+                tensors.update(value.tensors)
+                _shard_stats(stats, name, value.amax)
                 if job.decisions[name].target in (Target.FP8_BLOCK, Target.MXFP8):
                     elements += source.tensors[name].numel
+            tensors.update(job.kv_tensors.get(name, {}))
         saver.finish()
     except BaseException:
         if saver.error is not None:  # the writer failed first: report its error
@@ -385,20 +499,37 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
         reader.close()
         saver.close()
     digests = {s: ledger.done[s]["sha256"] for s in shards if s in ledger.done}
-    return counts["written"], counts["skipped"], elements, digests
+    return counts["written"], counts["skipped"], elements, digests, {s: ledger.stats(s) for s in shards}
+
+
+def _on_every_rank(world: World, fn):
+    """``fn()`` on every rank; when it raises on some rank, every rank raises (the lowest
+    rank's error), so no rank waits alone in a later collective call."""
+    try:
+        result, err = fn(), None
+    except Exception as e:
+        result, err = None, e
+    for e in world.gather(err):
+        if e is not None:
+            raise e
+    return result
 
 
 def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
             resume: bool = False, progress: bool = True, source_info: dict | None = None,
-            tp: int = 1, engine: str = "vllm", kernel: str = "auto", workers: int = 1) -> Summary:
+            tp: int = 1, engine: str = "vllm", calibration: "str | Path | None" = None,
+            kv_cache: str | None = None, scales: str = "rtn",
+            min_expert_tokens: int | None = None, kernel: str = "auto",
+            workers: int = 1) -> Summary:
     """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
 
     Args:
         src: folder with config.json and safetensors shards (block FP8, compressed-tensors
             FP8, or dense), or an opened ``Source`` (``quantize.hub`` streams one from the Hub).
         out: output folder; must be empty unless ``resume``.
-        scheme: ``w4a16`` (weight-only NVFP4).
+        scheme: ``w4a16`` (weight-only NVFP4) or ``w4a4`` (NVFP4 activations too: needs
+            ``calibration``; writes each module's input scale, shared in a fused group).
         fmt: output layout, see ``formats.OutputFormat``.
         recipe: preset name or TOML path (``quantize.recipe``).
         device: ``cpu``, ``cuda`` or ``auto``; with several ranks on CUDA, rank r uses GPU
@@ -412,6 +543,13 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             ranks before and now.
         source_info: extra provenance (repo id, commit, file hashes) recorded in the manifest
             and part of the resume fingerprint.
+        calibration: a stats folder from ``quantize calibrate`` (``calibrate.stats``).
+        kv_cache: ``fp8`` declares an FP8 KV cache; with ``calibration`` the k/v scales
+            (amax / 448) are written per attention block, else engines use 1.0.
+        scales: one of :data:`SCALE_METHODS` (the searches need the compressed-tensors format,
+            and run the reference arithmetic whatever ``kernel``).
+        min_expert_tokens: routed experts with fewer calibration tokens take the layer's max
+            over experts as input amax and are listed in the manifest (default 8).
         kernel: ``auto``, ``reference``, ``inductor`` (CPU) or ``triton`` (CUDA); see
             ``quantize.kernels.fused``. Every kernel writes the same bytes.
         workers: processes on this machine (``quantize.parallel``); under torchrun (an
@@ -422,7 +560,8 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
         Summary of the run (on every rank: the whole build's totals).
 
     Raises:
-        SourceError, RecipeError, OutputError, ValueError: with the tensor, shard or key named;
+        SourceError, RecipeError, OutputError, CalibrationError, ValueError: with the tensor,
+            shard or key named;
             OutputError also when the free disk cannot hold the rest of the build.
         CheckFailed: ``quantize check`` found errors in the written build (no manifest is
             written, so the folder is not a finished build).
@@ -433,20 +572,34 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
         return spawn_local(workers, convert, dict(
             src=_local_folder(src), out=out, scheme=scheme, fmt=fmt, recipe=recipe,
             device=device, resume=resume, progress=progress, source_info=source_info, tp=tp,
-            engine=engine, kernel=kernel))
+            engine=engine, calibration=calibration, kv_cache=kv_cache, scales=scales,
+            min_expert_tokens=min_expert_tokens, kernel=kernel))
     t0 = time.perf_counter()
     world = current_world()
-    source = src if isinstance(src, Source) else open_source(src)
-    if world.size > 1:
-        _local_folder(source)
-    src, out = source.folder, Path(out)
+    out = Path(out)
     rec = load_recipe(recipe)
     writer = get_writer(fmt)
     dev = _resolve_device(device, world)
     choose_backend(kernel, dev)  # refuse a kernel that cannot run here before any work
-    decisions = plan_tensors(source, rec, tp=tp, engine=engine)
-    predicted = predict_outputs(source, decisions, fmt)
-    notes = []
+    if world.size > 1:
+        _local_folder(src)
+
+    def plan():  # on every rank; no rank writes before every rank has passed pre-flight
+        pre = preflight(src, out, recipe=rec, resume=resume, fmt=fmt, tp=tp, engine=engine,
+                        carry_skip=_CARRY_SKIP)
+        pre.raise_if_errors(Path(src).name if not isinstance(src, Source) else src.folder.name)
+        calib = _calibration(calibration, scheme, kv_cache, scales, writer.NVFP4_ORDER,
+                             min_expert_tokens)
+        return pre, calib
+
+    pre, calib = _on_every_rank(world, plan)
+    source, decisions = pre.source, pre.decisions
+    input_amax = input_amax_plan(decisions, calib.stats, calib.min_tokens) if scheme == "w4a4" else {}
+    kv_dtype = _model_dtype(source.config)
+    kv_tensors = kv_scale_tensors(source, calib.stats, writer, kv_dtype) if kv_cache and calib.stats else {}
+    predicted = predict_outputs(source, decisions, fmt, scheme=scheme, kv_scales={
+        attn: dtype_name(kv_dtype) for attn in (calib.stats.kv_amax if kv_tensors else {})})
+    notes = [f"{f.level}: {f.message}" for f in pre.findings] + list(calib.notes)
     skip = dropped_tensors(source)
     tied = tied_embeddings(source.config)
     if skip:
@@ -465,6 +618,8 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
     headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
     options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256,
                "tp": tp, "engine": engine}
+    if calib.stats is not None or kv_cache or scales != "rtn":
+        options.update(kv_cache=kv_cache, scales=scales, calibration_sha256=calib.sha256)
     job_id = fingerprint({"tool": __version__, "options": options, "headers": headers,
                           "decisions": {n: d.target.value for n, d in decisions.items()},
                           "source": source_info or {}})
@@ -472,14 +627,15 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
     for i in source.infos.values():
         shard_bytes[i.shard] += i.nbytes
     out_shards = [s for s in source.shards if any(t.name not in skip for t in source.tensors_in(s))]
-    job = _Job(source, decisions, predicted, skip, writer, out_shards, shard_bytes)
+    job = _Job(source, decisions, predicted, skip, writer, out_shards, shard_bytes, scales,
+               calib.stats.channel_sq_mean if calib.stats else {}, input_amax, kv_tensors)
     bytes_in = sum(shard_bytes.values())
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
 
     err = None
     if world.rank == 0:
         try:
-            _prepare_out(src, out, resume)
+            _prepare_out(out, resume)
         except OutputError as e:
             err = e
     if (err := world.broadcast(err)) is not None:
@@ -490,34 +646,36 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
                disable=not progress, position=world.rank)
 
     def run_rank():
-        _bound_allocator()
+        bound_allocator()
         ledger = Ledger(out, job_id, resume, rank=world.rank if world.size > 1 else None)
-        check_free_disk(out, predicted_output_bytes(source, predicted, set(ledger.done)),
-                        source.files)
         return _convert_shards(job, mine, out, ledger, dev, kernel, bar)
 
     if world.size == 1:
-        stats = [run_rank()]
+        results = [run_rank()]
     else:
         try:
             result = ("ok", run_rank())
         except BaseException as e:  # every rank learns of it below, then all raise
             result = ("err", e)
-        results = world.gather(result)
-        for status, value in results:
+        gathered = world.gather(result)
+        for status, value in gathered:
             if status == "err":
                 raise value
-        stats = [v for _, v in results]
+        results = [v for _, v in gathered]
     bar.close()
     source.close()
-    written, skipped, elements = (sum(x[i] for x in stats) for i in range(3))
-    digests = {k: v for x in stats for k, v in x[3].items()}
+    written, skipped, elements = (sum(x[i] for x in results) for i in range(3))
+    digests = {k: v for x in results for k, v in x[3].items()}
+    shard_stats = {k: v for x in results for k, v in x[4].items()}
+    notes += _data_notes([shard_stats[s] for s in out_shards])
 
     summary = err = None
     if world.rank == 0:
         try:
-            summary = _finish(job, src, out, scheme, options, headers, counts, notes, tied,
-                              bytes_in, source_info, tp, engine, digests)
+            summary = _finish(job, out, scheme, options, headers, counts, notes, tied, bytes_in,
+                              source_info, tp, engine, digests, kv_cache,
+                              calibration_record(calib.stats, calib.sha256, calib.min_tokens)
+                              if calib.stats is not None else None)
             summary.elements_quantized, summary.shards_written = elements, written
             summary.shards_skipped, summary.seconds = skipped, time.perf_counter() - t0
         except BaseException as e:
@@ -539,12 +697,14 @@ def _local_folder(src: str | Path | Source) -> Path:
     return src.folder
 
 
-def _finish(job: _Job, src: Path, out: Path, scheme: str, options: dict, headers: dict,
-            counts: Counter, notes: list[str], tied: bool, bytes_in: int,
-            source_info: dict | None, tp: int, engine: str, digests: dict[str, str]) -> Summary:
-    """After every shard is written (rank 0 only): index, config, extra files, carried files,
-    ``quantize check``, manifest; then the ledgers go."""
+def _finish(job: _Job, out: Path, scheme: str, options: dict, headers: dict, counts: Counter,
+            notes: list[str], tied: bool, bytes_in: int, source_info: dict | None, tp: int,
+            engine: str, digests: dict[str, str], kv_cache: str | None,
+            calibration: dict | None) -> Summary:
+    """After every shard is written (rank 0 only): index, carried files, config and extra
+    files, ``quantize check``, manifest; then the ledgers go."""
     source, decisions, skip, writer = job.source, job.decisions, job.skip, job.writer
+    src = source.folder
     index = write_index(out, job.out_shards)
     linear = {n: d for n, d in decisions.items()
               if n not in skip and module_of(n) and len(source.tensors[n].shape) == 2}
@@ -557,12 +717,14 @@ def _finish(job: _Job, src: Path, out: Path, scheme: str, options: dict, headers
         _set_tie(config, False)
     (config.get("text_config") or {}).pop("quantization_config", None)
     producer = {"name": "spark-quant", "version": __version__}
-    config["quantization_config"] = writer.quantization_config(targets, sorted(ignore), scheme, producer)
-    for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer).items():
+    config["quantization_config"] = writer.quantization_config(targets, sorted(ignore), scheme, producer,
+                                                               kv_cache)
+    # config.json after the carried files: weights + config without the tokenizer never look
+    # like a loadable folder.
+    carried = carry_files(src, out, skip=set(_CARRY_SKIP))
+    for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer, kv_cache).items():
         write_json_atomic(obj, out / fname)
     write_json_atomic(config, out / "config.json")
-    carried = carry_files(src, out, skip={"config.json", MANIFEST_NAME, PROGRESS_NAME,
-                                          "hf_quant_config.json"})
     from quantize.check import check_build  # the check reads only what was written
 
     findings = check_build(out, engine=engine, tp=tp)
@@ -583,6 +745,37 @@ def _finish(job: _Job, src: Path, out: Path, scheme: str, options: dict, headers
         "summary": {"tensors_by_target": dict(sorted(counts.items())), "bytes_in": bytes_in,
                     "bytes_out": summary.bytes_out, "ignore": sorted(ignore), "notes": notes,
                     "carried_files": carried},
+        **({"calibration": calibration} if calibration is not None else {}),
     }, digests)
     remove_ledgers(out)
     return summary
+
+
+def _shard_stats(stats: dict, name: str, amax: float | None,
+                 block_scale: torch.Tensor | None = None) -> None:
+    """Record data findings of one written tensor in its shard's ``stats``: an all-zero
+    weight, and NVFP4 block scales at the e4m3 floor 2^-9 (byte 0x01, FC-11b)."""
+    if amax == 0.0 and name.endswith(".weight"):
+        stats.setdefault("zero", []).append(name)
+    if block_scale is not None:
+        floor = int((block_scale.view(torch.uint8) == 1).sum())
+        if floor:
+            stats["floor_blocks"] = stats.get("floor_blocks", 0) + floor
+            stats["floor_tensors"] = stats.get("floor_tensors", 0) + 1
+
+
+def _data_notes(stats: list[dict]) -> list[str]:
+    """Summary notes from the per-shard stats of every output shard (finished in this run or
+    an earlier one), so a resumed build reports what an uninterrupted one does."""
+    zero = [n for s in stats for n in s.get("zero", [])]
+    blocks = sum(s.get("floor_blocks", 0) for s in stats)
+    tensors = sum(s.get("floor_tensors", 0) for s in stats)
+    notes = []
+    if zero:
+        notes.append(f"{len(zero)} all-zero weight(s) written as exact zeros (NVFP4: all codes 0, "
+                     f"block scales 0.125; global scale 1.0 unless shared with a fused group): "
+                     f"{', '.join(zero[:5])}{' ...' if len(zero) > 5 else ''}")
+    if blocks:
+        notes.append(f"{blocks} NVFP4 block scale(s) in {tensors} tensor(s) at the e4m3 floor "
+                     "2^-9 (blocks far below their tensor's amax; kept non-zero, FC-11b)")
+    return notes

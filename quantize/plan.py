@@ -27,7 +27,7 @@ from quantize.errors import RecipeError
 from quantize.recipe import Recipe, Target
 
 __all__ = ["Decision", "plan_tensors", "module_of", "dropped_tensors", "predict_outputs",
-           "predicted_bytes", "fp8_passthrough", "explain"]
+           "predicted_bytes", "fp8_passthrough", "explain", "kv_scale_anchor"]
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,20 @@ def fp8_passthrough(source: Source, name: str):
     return None
 
 
-def predict_outputs(source: Source, decisions: dict[str, Decision], fmt: str) -> dict[str, dict]:
+def kv_scale_anchor(source: Source, attention: str) -> str | None:
+    """The logical tensor whose output shard carries ``attention``'s FP8 KV scales: the
+    block's first tensor by name, or None when the source has no tensor under it."""
+    return next((n for n in sorted(source.tensors) if n.startswith(attention + ".")), None)
+
+
+def predict_outputs(source: Source, decisions: dict[str, Decision], fmt: str, *,
+                    scheme: str = "w4a16", kv_scales: dict[str, str] | None = None) -> dict[str, dict]:
     """Output tensors of every logical tensor, from headers only.
+
+    Args:
+        scheme: ``w4a16`` or ``w4a4`` (NVFP4 modules also get the writer's input scale).
+        kv_scales: attention block -> safetensors dtype of its FP8 KV scales (calibrated
+            builds); they are predicted with the block's :func:`kv_scale_anchor`.
 
     Returns:
         logical name -> {output tensor name: (safetensors dtype, shape)}; dropped tensors
@@ -185,7 +197,11 @@ def predict_outputs(source: Source, decisions: dict[str, Decision], fmt: str) ->
         else:
             scale = fp8_passthrough(source, name) if d.target is Target.FP8_BLOCK else None
             out[name] = writer.output_specs(module_of(name), d.target.value, t.shape,
-                                            scale.dtype if scale is not None else "F32")
+                                            scale.dtype if scale is not None else "F32", scheme)
+    for attn, dtype in (kv_scales or {}).items():
+        anchor = kv_scale_anchor(source, attn)
+        if anchor is not None and anchor in out:
+            out[anchor] = {**out[anchor], **writer.kv_scale_specs(attn, dtype)}
     return out
 
 

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from quantize.kernels.fp8 import quantize_fp8_block
+from quantize.manifest import MANIFEST_NAME
 
 def ct_nvfp4_reference(w: torch.Tensor, amax: torch.Tensor | None = None):
     """compressed-tensors' own NVFP4 path on float32 ``w`` [N, K]: ``generate_gparam`` (over
@@ -56,6 +57,20 @@ def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], config: dic
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def edit_shard(path: Path, fn) -> None:
+    """Rewrite a shard after ``fn`` changed its tensors dict in place (fault injection)."""
+    t = load_file(str(path))
+    fn(t)
+    save_file(t, str(path))
+
+
+def edit_json(path: Path, fn) -> None:
+    """Rewrite a JSON file after ``fn`` changed it in place (fault injection)."""
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
 
 
 def load_all(folder: Path) -> dict[str, torch.Tensor]:
@@ -128,3 +143,17 @@ def glm5_next_src(tmp_path_factory) -> Path:
     from quantize.fixtures import write_release_fixture
 
     return write_release_fixture(tmp_path_factory.mktemp("glm5_next") / "src", "glm5_next")
+
+
+def assert_same_build(a: Path, b: Path, same_source: bool = True) -> None:
+    """Every file byte-identical; the manifest equal (but for the source path when the two
+    builds read copies of one source)."""
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in sorted(a.iterdir()):
+        if p.name == MANIFEST_NAME:
+            x, y = json.loads(p.read_text()), json.loads((b / p.name).read_text())
+            if not same_source:
+                x["source"].pop("path"), y["source"].pop("path")
+            assert x == y
+        else:
+            assert p.read_bytes() == (b / p.name).read_bytes(), p.name

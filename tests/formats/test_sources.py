@@ -135,6 +135,30 @@ def test_dense_bf16_source_reads_exact_bits(tmp_path):
     assert torch.equal(source.read("a.weight").view(torch.int16), x.view(torch.int16))
 
 
+@pytest.mark.parametrize("layout", ["block", "channel", "group", "tensor"])
+def test_read_rows_equals_rows_of_read(tmp_path, layout):
+    """Row reads (used by verify) dequantize exactly like full reads, partial edge blocks too."""
+    w = (torch.randn(200, 300) * 0.1).to(torch.float8_e4m3fn)
+    if layout == "block":
+        qc, scale = BLOCK_FP8_QC, torch.rand(2, 3) + 0.5
+        suffix = "_scale_inv"
+    else:
+        args = {"num_bits": 8, "type": "float", "strategy": layout, "symmetric": True}
+        if layout == "group":
+            args["group_size"] = 128
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": args}}}
+        scale = {"channel": torch.rand(200, 1), "group": torch.rand(200, 3),
+                 "tensor": torch.rand(1)}[layout] + 0.5
+        suffix = "_scale"
+    src = write_checkpoint(tmp_path, {"m.weight": w, f"m.weight{suffix}": scale},
+                           {"quantization_config": qc})
+    source = open_source(src)
+    full = source.read("m.weight")
+    for start, stop in [(0, 1), (127, 129), (130, 200), (199, 200)]:
+        assert torch.equal(source.read_rows("m.weight", start, stop), full[start:stop])
+
+
 def test_tensor_in_shard_but_not_in_index_is_an_error(tmp_path):
     src = write_checkpoint(tmp_path, {"a.weight": torch.ones(2, 2), "model.norm.weight": torch.ones(2)}, {})
     idx = json.loads((src / "model.safetensors.index.json").read_text())

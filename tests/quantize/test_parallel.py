@@ -17,23 +17,10 @@ from quantize.kernels.fused import _has_cxx, _has_triton
 from quantize.manifest import MANIFEST_NAME
 from quantize.parallel import assign_shards
 from quantize.pipeline import convert
+from conftest import assert_same_build
 from test_pipeline import moe_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def assert_same_build(a: Path, b: Path, same_source: bool = True) -> None:
-    """Every file byte-identical; the manifest equal (but for the source path when the two
-    builds read copies of one source)."""
-    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
-    for p in sorted(a.iterdir()):
-        if p.name == MANIFEST_NAME:
-            x, y = json.loads(p.read_text()), json.loads((b / p.name).read_text())
-            if not same_source:
-                x["source"].pop("path"), y["source"].pop("path")
-            assert x == y
-        else:
-            assert p.read_bytes() == (b / p.name).read_bytes(), p.name
 
 
 @pytest.fixture(scope="module")

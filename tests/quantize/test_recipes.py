@@ -117,7 +117,8 @@ def moe_layer(tmp_path, n_layers=2, mtp=True):
     """DeepSeek-style FP8 layers 1..n-1 with 8 experts + router, MTP layer n (all FP8,
     eh_proj and shared_head.head included)."""
     g = torch.Generator().manual_seed(0)
-    t = {"model.embed_tokens.weight": torch.randn(128, 64, generator=g).bfloat16()}
+    t = {"model.embed_tokens.weight": torch.randn(128, 64, generator=g).bfloat16(),
+         "model.layers.0.input_layernorm.weight": torch.ones(64).bfloat16()}  # config has layer 0
     layers = range(1, n_layers + (1 if mtp else 0))
     for layer in layers:
         p = f"model.layers.{layer}"

@@ -1,0 +1,253 @@
+"""Pre-flight: every check that can stop a conversion, run before the first byte is written.
+
+One pass over the source and the output folder, reporting every finding of every kind at
+once (a user with a 300 GiB download wants the whole list, not one error per hour):
+
+- structure (``formats.sources.inspect_source``): config.json, index entries inside the
+  folder, missing / empty shards, every shard header, index vs headers, FP8 weight/scale
+  pairs, scale dtypes and shapes;
+- scale values: every FP8 scale tensor is read (they are ~1/16000 of the weights for
+  128x128 blocks): NaN / Inf and negative scales are errors, zero scales a warning, a scale
+  that lets |w| exceed :data:`ABSURD_AMAX` an error;
+- layout (``quantize.archs.check_layout``): config.json and the index agree on layers, MTP
+  layers and experts;
+- hostile input: custom code is reported (copied as a file, never executed), links leading
+  out of the folder are not carried;
+- output: not the source or inside it, empty unless resuming a spark-quant build, writable,
+  and enough free disk for the predicted build (``quantize.budget``, which also counts the
+  shards a Hub source still has to download).
+
+Checks that need the weights themselves (NaN / Inf weights, all-zero tensors, absurd amax of
+dense weights) run during conversion, on each tensor as it is read (``quantize.pipeline``).
+"""
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from formats.checkpoint import carry_plan
+from formats.shards import DTYPE_BYTES, ShardReader, is_temp_name
+from formats.sources import Source, inspect_source
+from quantize import archs
+from quantize.budget import check_free_disk, predicted_output_bytes
+from quantize.errors import Finding, OutputError, SourceError, raise_findings, render_findings
+from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
+from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
+from quantize.plan import Decision, plan_tensors, predict_outputs
+from quantize.recipe import Recipe
+
+__all__ = ["ABSURD_AMAX", "MIN_AMAX", "Preflight", "preflight", "scan_scales", "check_output"]
+
+ABSURD_AMAX = 65504.0
+"""Largest |w| accepted in a weight that becomes NVFP4: the float16 range. No trained Linear
+weight comes near it; a larger value means a corrupt weight or scale, and its NVFP4 global
+scale would crush every other block of the tensor (or its fused group) to zero."""
+
+MIN_AMAX = NVFP4_GLOBAL_NUMERATOR / torch.finfo(torch.float32).max
+"""Smallest non-zero amax with a finite global scale ``2688 / amax`` (about 7.9e-36);
+below it compressed-tensors' ``generate_gparam`` falls back to 1.0 and the tensor
+quantizes to zeros."""
+
+@dataclass
+class Preflight:
+    """What pre-flight found. ``source`` / ``decisions`` are None when the source is unusable."""
+
+    source: Source | None
+    findings: list[Finding]
+    decisions: dict[str, Decision] | None = None
+    predicted: dict[str, dict] | None = None  # quantize.plan.predict_outputs
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == "warning"]
+
+    def render(self) -> str:
+        head = (f"pre-flight: {len(self.errors)} error(s), {len(self.warnings)} warning(s)")
+        if self.source is not None:
+            head += (f"; {len(self.source.tensors)} tensors in {len(self.source.shards)} shards, "
+                     f"layout {self.source.kind.value}")
+        if self.predicted is not None:
+            size = predicted_output_bytes(self.source, self.predicted)
+            head += f"; predicted build {size / 2**20:.1f} MiB"
+        body = render_findings(self.findings)
+        return head + ("\n" + body if body else "")
+
+    def raise_if_errors(self, what: str) -> None:
+        """Raise one SourceError / OutputError listing every error (see ``raise_findings``)."""
+        raise_findings(self.findings, what)
+
+
+def scan_scales(source: Source) -> list[Finding]:
+    """Read every FP8 scale tensor in a readable local shard and check its values (kind
+    ``scale``), whether or not its weight could be paired (a scale's own damage is reported
+    either way). Shards a Hub source has not downloaded yet are left to the conversion.
+
+    Errors: NaN / Inf values, negative values, a maximum that lets |w| reach beyond
+    :data:`ABSURD_AMAX` (e4m3 holds at most 448, so ``448 * max(scale)`` bounds |w|).
+    Warning: zero scales (those blocks dequantize to 0).
+    """
+    if source.layout is None or not source.has_data:
+        return []
+    suffix = ".weight" + source.layout.scale_suffix
+    remote = set(source.files.to_fetch())
+    out: list[Finding] = []
+    if remote:
+        out.append(Finding("info", "scale", f"scales in {len(remote)} shard(s) still to download "
+                           "are checked while converting"))
+    scales = sorted((i for i in source.infos.values()
+                     if i.name.endswith(suffix) and i.shard not in remote),
+                    key=lambda i: (i.shard, i.name))
+    # Its own reader on the files in the folder: the source's reader would make the shard
+    # "in use" for the Hub streaming (fetch / release order) before conversion starts.
+    reader = ShardReader(source.folder, max_open=1)
+    try:
+        for info in scales:
+            try:
+                s = reader.get(info.shard, info.name).to(torch.float32).reshape(-1)
+            except SourceError as e:  # not local after all: the conversion reads it
+                out.append(Finding("info", "scale", f"{info.name} not checked up front: {e}"))
+                continue
+            out += _scale_findings(info, s, info.name[: -len(source.layout.scale_suffix)])
+    finally:
+        reader.close()
+    return out
+
+
+def _scale_findings(info, s: torch.Tensor, weight: str) -> list[Finding]:
+    found = []
+    bad = ~torch.isfinite(s)
+    if bad.any():
+        found.append(("error", f"has {int(bad.sum())} NaN/Inf value(s) (first at flat index "
+                               f"{int(bad.nonzero()[0])}); {weight} cannot be dequantized"))
+        s = s[~bad]
+    if (s < 0).any():
+        found.append(("error", f"has {int((s < 0).sum())} negative value(s) (min "
+                               f"{s.min().item():.3g}); FP8 scales are magnitudes"))
+    bound = s.max().item() * E4M3_MAX if s.numel() else 0.0
+    if bound > ABSURD_AMAX:
+        found.append(("error", f"has max {bound / E4M3_MAX:.3g}, so |{weight}| may reach "
+                               f"{bound:.3g}, beyond {ABSURD_AMAX:g} (the float16 range, which "
+                               "no trained weight exceeds): a corrupt scale"))
+    zeros = int((s == 0).sum())
+    if zeros:
+        found.append(("warning", f"has {zeros} of {info.nbytes // DTYPE_BYTES[info.dtype]} "
+                                 f"value(s) equal to 0: those blocks of {weight} dequantize to 0"))
+    return [Finding(level, "scale", f"scale {info.name} in {info.shard} {msg}", tensor=info.name,
+                    shard=info.shard) for level, msg in found]
+
+
+def _layout_findings(source: Source) -> list[Finding]:
+    shapes = {n: i.shape for n, i in source.infos.items()}
+    shapes.update({n: None for n in source.unreadable})
+    return [Finding(level, "layout", msg, tensor=t)
+            for level, msg, t in archs.check_layout(source.config, shapes)]
+
+
+def _custom_code_findings(src: Path, config: dict, copied: list[str],
+                          refused: list[str]) -> list[Finding]:
+    out = [Finding("warning", "hostile", msg) for msg in refused]
+    code = [c for c in copied if c.endswith(".py")]
+    auto_map = config.get("auto_map") or (config.get("text_config") or {}).get("auto_map")
+    if code or auto_map:
+        out.append(Finding("info", "hostile", f"custom code ({', '.join(code) or 'auto_map'}) is "
+                           "copied as files and never executed; nothing here imports it unless "
+                           "--trust-remote-code is passed to a command that loads the model"))
+    return out
+
+
+def _existing_ancestor(p: Path) -> Path:
+    p = p.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_output(out: Path, src: Path, resume: bool, source: Source | None = None,
+                 predicted: dict[str, dict] | None = None) -> list[Finding]:
+    """Output-folder findings (kind ``output``): the source folder or inside it, not a folder,
+    not empty without ``--resume``, ``--resume`` into a folder that holds no spark-quant
+    build, not writable, or (with ``source`` and ``predicted``) too little free disk for the
+    output shards not yet on disk (``quantize.budget.check_free_disk``)."""
+    out, src = Path(out), Path(src)
+    f: list[Finding] = []
+
+    def err(msg):
+        f.append(Finding("error", "output", msg, key=str(out)))
+
+    o, s = out.resolve(), src.resolve()
+    if o == s or o.is_relative_to(s):
+        err(f"--out {out} is the source folder or inside it; choose a folder outside the source")
+        return f
+    if out.exists() and not out.is_dir():
+        err(f"--out {out} exists and is not a folder")
+        return f
+    entries = list(out.iterdir()) if out.is_dir() else []
+    if entries:
+        ours = has_ledger(out) or (out / MANIFEST_NAME).exists()
+        leftovers = all(is_temp_name(p.name) for p in entries)  # killed before its first rename
+        if not resume:
+            err(f"output folder {out} is not empty; "
+                + ("pass --resume to continue that build" if ours or leftovers
+                   else "choose another --out"))
+        elif not (ours or leftovers):
+            err(f"--resume: {out} holds no spark-quant build (no {PROGRESS_NAME} or "
+                f"{MANIFEST_NAME}); refusing to write into it")
+    base = _existing_ancestor(out)
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        err(f"output folder {out} is not writable ({base}: {e.strerror or e})")
+        return f
+    if source is not None and predicted is not None:
+        done = {s for s in source.shards if (out / s).is_file()}
+        try:
+            check_free_disk(out, predicted_output_bytes(source, predicted, done), source.files)
+        except OutputError as e:
+            err(str(e))
+    return f
+
+
+def preflight(src: str | Path | Source, out: str | Path | None = None, *,
+              recipe: Recipe | None = None, resume: bool = False, fmt: str = "compressed-tensors",
+              tp: int = 1, engine: str = "vllm",
+              carry_skip: frozenset[str] = frozenset()) -> Preflight:
+    """Run every pre-flight check on ``src`` (and ``out`` when given); raises nothing.
+
+    Args:
+        src: source folder or descriptor, or an opened Source (a Hub source, whose structure
+            ``open_source`` has already checked).
+        out: output folder, or None to check the source only.
+        recipe: decides targets (with ``fmt``, ``tp``, ``engine``) for the size prediction;
+            None skips planning.
+        resume: an existing non-empty ``out`` holding a spark-quant build is allowed.
+        carry_skip: relative paths the converter writes itself (not carried).
+
+    Returns:
+        :class:`Preflight` with every finding; call ``raise_if_errors`` to stop on errors.
+    """
+    if isinstance(src, Source):
+        source, findings = src, list(src.findings)
+    else:
+        source, findings = inspect_source(src)
+    folder = source.folder if source is not None else Path(src)
+    pre = Preflight(source, findings)
+    if source is not None:
+        findings += scan_scales(source)
+        findings += _layout_findings(source)
+        if folder.is_dir():
+            copied, refused = carry_plan(folder, set(carry_skip))
+            findings += _custom_code_findings(folder, source.config, copied, refused)
+        if recipe is not None and not any(f.level == "error" for f in findings):
+            pre.decisions = plan_tensors(source, recipe, tp=tp, engine=engine)
+            pre.predicted = predict_outputs(source, pre.decisions, fmt)
+    if out is not None:
+        findings += check_output(Path(out), folder, resume, source, pre.predicted)
+    return pre

@@ -1,0 +1,91 @@
+"""Keep access tokens out of everything spark-quant writes or prints.
+
+Used wherever we write text a user may share: the console (``quantize.cli`` wraps stdout
+and stderr, which covers logging, progress bars and error messages), the build manifest
+(``quantize.manifest.write_manifest``), verify / pre-flight reports, and model cards
+(render the card, then pass it through :func:`redact` before writing it).
+
+What is masked: the values of the token environment variables huggingface_hub reads
+(``HF_TOKEN``, ``HUGGING_FACE_HUB_TOKEN``), any value registered with
+:func:`register_secret` (a token passed on the command line), anything shaped like a
+Hugging Face token (``hf_`` + 20 or more letters/digits), ``Bearer`` credentials and the
+password part of ``scheme://user:password@host`` URLs.
+"""
+
+import io
+import os
+import re
+
+__all__ = ["MASK", "TOKEN_ENV_VARS", "register_secret", "redact", "redact_obj",
+           "RedactingStream"]
+
+MASK = "***"
+TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+_MIN_SECRET = 8  # shorter values would mask ordinary words
+_registered: set[str] = set()
+_PATTERNS = (
+    (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), MASK),
+    (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1" + MASK),
+    (re.compile(r"(://[^/\s:@]+:)[^@\s/]+@"), r"\1" + MASK + "@"),
+)
+
+
+def register_secret(value: str | None) -> None:
+    """Mask ``value`` (e.g. a ``--token`` argument) in everything redacted from now on."""
+    if value and len(value) >= _MIN_SECRET:
+        _registered.add(value)
+
+
+def _secrets() -> list[str]:
+    env = [os.environ.get(v) for v in TOKEN_ENV_VARS]
+    found = {s for s in env if s and len(s) >= _MIN_SECRET} | _registered
+    return sorted(found, key=len, reverse=True)  # longest first: no partial leftovers
+
+
+def redact(text: str) -> str:
+    """``text`` with every known secret and token-shaped string replaced by ``***``."""
+    for s in _secrets():
+        text = text.replace(s, MASK)
+    for pat, repl in _PATTERNS:
+        text = pat.sub(repl, text)
+    return text
+
+
+def redact_obj(obj):
+    """A copy of a JSON-like object (dict / list / str / numbers) with :func:`redact` applied
+    to every string, keys included."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {redact_obj(k): redact_obj(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_obj(v) for v in obj]
+    return obj
+
+
+class RedactingStream(io.TextIOBase):
+    """A text stream that redacts each write before passing it on to ``inner``.
+
+    Each ``write`` call is redacted on its own; callers that print a token split over two
+    writes are not covered (print, logging and tqdm write whole strings).
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def write(self, s: str) -> int:
+        self.inner.write(redact(s))
+        return len(s)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def isatty(self) -> bool:
+        return self.inner.isatty()
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self.inner, "encoding", "utf-8")

@@ -1,0 +1,121 @@
+"""Hostile and damaged safetensors headers, and reads from shards that change under us."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from formats.shards import ShardReader, read_header
+from quantize.errors import SourceError
+
+
+def raw_shard(path, header: dict, data: bytes = b"", hlen: int | None = None):
+    """A safetensors file with exactly this header JSON and data section."""
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h) if hlen is None else hlen) + h + data)
+    return path
+
+
+def test_reference_layout_is_read(tmp_path):
+    save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b": torch.ones(4, dtype=torch.bfloat16)}, str(tmp_path / "x.safetensors"))
+    h = read_header(tmp_path / "x.safetensors")
+    assert (h["a"].dtype, h["a"].shape, h["a"].nbytes) == ("F32", (2, 3), 24)
+    r = ShardReader(tmp_path)
+    assert torch.equal(r.get("x.safetensors", "a"), torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(r.get("x.safetensors", "a", rows=(1, 2)), torch.tensor([[3.0, 4.0, 5.0]]))
+    assert r.get("x.safetensors", "b").dtype == torch.bfloat16
+    r.close()
+
+
+@pytest.mark.parametrize("header,data,hlen,message", [
+    # a header length far past the file: refused before reading (or allocating) it
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, 2**60,
+     r"header length 1152921504606846976 exceeds the 100000000-byte limit safetensors allows"),
+    # a tensor declaring 16 EiB in a 64-byte data section: refused before any allocation
+    ({"a": {"dtype": "F32", "shape": [2**31, 2**31], "data_offsets": [0, 64]}}, b"\0" * 64, None,
+     r"tensor a declares bytes \[0, 64\) but needs 18446744073709551616 inside a data section "
+     r"of 64 bytes"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, None,
+     r"tensor a declares bytes \[0, 16\) but needs 16 inside a data section of 8 bytes "
+     r"\(truncated or corrupt\)"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+      "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, b"\0" * 24, None,
+     r"tensors a and b overlap"),
+    ({"a": {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]}}, b"\0" * 16, None,
+     r"malformed header entry for a"),
+    ({"a": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]}}, b"\0" * 8, None,
+     r"malformed header entry for a"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": "0-8"}}, b"\0" * 8, None,
+     r"malformed header entry for a"),
+    ({"a": {"dtype": "Q4_K", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None,
+     r"tensor a has unknown dtype Q4_K"),
+])
+def test_hostile_headers_refused(tmp_path, header, data, hlen, message):
+    p = raw_shard(tmp_path / "x.safetensors", header, data, hlen)
+    with pytest.raises(SourceError, match=message) as e:
+        read_header(p)
+    assert e.value.shard == "x.safetensors"
+
+
+@pytest.mark.parametrize("raw,message", [
+    (b"[1, 2, 3]", "header is not a JSON object"),
+    (b"{\"a\": ", "header is not valid JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "header is not valid JSON"),  # recursion bomb
+    (b"\xff\xfe{}", "header is not valid JSON"),
+])
+def test_unparseable_headers_refused(tmp_path, raw, message):
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(SourceError, match=message):
+        read_header(p)
+
+
+def test_shard_truncated_while_open_is_an_error_not_sigbus(tmp_path):
+    """safetensors' mmap-based reader dies with SIGBUS (exit 135, no message) when a shard it
+    has open is truncated; ours reports the shard. Run in a child so a crash cannot take
+    pytest down."""
+    save_file({"a": torch.ones(256, 256), "b": torch.ones(256, 256)}, str(tmp_path / "x.safetensors"))
+    size = (tmp_path / "x.safetensors").stat().st_size
+    code = (
+        "import os, sys; from pathlib import Path\n"
+        "from formats.shards import ShardReader\n"
+        "from quantize.errors import SourceError\n"
+        f"d = Path({str(tmp_path)!r}); r = ShardReader(d)\n"
+        "r.get('x.safetensors', 'a')\n"
+        "os.truncate(d / 'x.safetensors', 256 * 256 * 4)\n"
+        "try:\n    r.get('x.safetensors', 'b')\n"
+        "except SourceError as e:\n    print(e)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == (
+        f"shard x.safetensors changed while it was being read ({size} -> 262144 bytes): "
+        "truncated or replaced during the run; restore it and rerun with --resume")
+
+
+def test_short_read_is_named(tmp_path, monkeypatch):
+    """A read that hits the end of the file (size unchanged as far as fstat knows) is an
+    error naming the tensor and the byte where the file ended."""
+    save_file({"a": torch.ones(64, 64)}, str(tmp_path / "x.safetensors"))
+    r = ShardReader(tmp_path)
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: 0)
+    with pytest.raises(SourceError, match=r"cannot read tensor a from shard x.safetensors: the "
+                                          r"file ends at byte \d+ \(truncated during the run\)"):
+        r.get("x.safetensors", "a")
+    r.close()
+
+
+def test_written_shard_is_readable_by_others_and_leaves_no_temp(tmp_path):
+    """safetensors writes through a 0600 temp file; a build must be readable by an engine
+    running as another user, like any new file under the umask."""
+    from formats.shards import _UMASK, write_shard_atomic
+
+    write_shard_atomic({"a": torch.ones(2)}, tmp_path / "x.safetensors")
+    assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o666 & ~_UMASK
+    assert os.listdir(tmp_path) == ["x.safetensors"]
