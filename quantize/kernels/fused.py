@@ -5,9 +5,10 @@ Three backends compute the same bytes (tests/quantize/kernels/test_fused.py):
 - ``reference``: the plain-PyTorch path, :func:`dequantize_fp8_block` then
   :func:`quantize_nvfp4` on the float32 weight. It is the specification the others are tested
   against, and the fallback where no compiler is available.
-- ``inductor`` (CPU): the same arithmetic as three ``torch.compile`` graphs that inductor turns
-  into vectorized C++/OpenMP loops. The weight never exists in float32: each 16-element block
-  is decoded from its e4m3 bytes, scaled, reduced and coded in registers.
+- ``inductor`` (CPU): the same arithmetic as four ``torch.compile`` graphs that inductor turns
+  into vectorized C++/OpenMP loops: block amax (when the weight is read), then block scales
+  (on 1/16 of the elements), codes, packing. The weight never exists in float32: each
+  16-element block is decoded from its e4m3 bytes, scaled, reduced and coded in registers.
 - ``triton`` (CUDA): one Triton kernel, :mod:`quantize.kernels.triton_nvfp4`.
 
 How the fast paths stay bit-exact with the reference (every step is an IEEE-754 float32
@@ -22,7 +23,8 @@ operation in the same order, or an exact rewrite of one):
 - Codes: :func:`e2m1_codes` rounds ``|q| * 2^k`` half-to-even inside each binade, which is the
   reference's threshold table (ties to the even code) written with three comparisons instead of
   seven; the clamp to +-6 is not needed because both saturate at code 7.
-- Packing: two codes are one little-endian int16, so ``lo | hi << 4`` is ``v | v >> 4`` on it.
+- Packing: four codes are one little-endian int32 ``v``; ``v | v >> 4`` puts ``lo | hi << 4``
+  of each pair in its low byte, and the two pair bytes are gathered into an int16.
 
 Shapes: weight float8_e4m3fn [N, K] with a multiplier scale grid [ceil(N/bh), ceil(K/bw)]
 (DeepSeek-V3 ``weight_scale_inv``; per-tensor, per-channel and per-group FP8 scales are the
@@ -96,19 +98,24 @@ def _fp8_block_amax(xu: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return decode_e4m3(xu, nan_codes=True).abs().amax(-1) * s[:, None, :, None].abs()
 
 
-def _scales(block_amax, scalar, six, order: str):
-    """(block scales as float32, the divisor of each block's weights) in either order."""
+def _block_scales(block_amax, scalar, six, order: str):
+    """(e4m3 block scales, the float32 divisor of each block's weights) in either order.
+
+    A graph of its own, on 1/16 of the elements: fused into the codes loop, the scalar e4m3
+    rounding of each block's scale costs more than the 16 codes it serves."""
     if order == "scale_2":
         sf = nvfp4_block_scale_scale2(block_amax, scalar, six)
-        return sf, sf * scalar
-    sf = nvfp4_block_scale(block_amax, scalar, six)
-    return sf, sf / scalar
+        eff = sf * scalar
+    else:
+        sf = nvfp4_block_scale(block_amax, scalar, six)
+        eff = sf / scalar
+    return sf.to(torch.float8_e4m3fn), eff
 
 
-def _fp8_codes(xu, s, block_amax, scalar, six, order: str):
-    sf, eff = _scales(block_amax, scalar, six, order)
+def _fp8_codes(xu, s, eff):
+    # xu uint8 [Nb, bh, Kb, bw/16, 16]; s float32 [Nb, Kb]; eff float32 [Nb, bh, Kb, bw/16]
     w = decode_e4m3(xu) * s[:, None, :, None, None]
-    return e2m1_codes(w / eff[..., None]), sf.to(torch.float8_e4m3fn)
+    return e2m1_codes(w / eff[..., None])
 
 
 def _float_block_amax(x: torch.Tensor) -> torch.Tensor:
@@ -116,21 +123,23 @@ def _float_block_amax(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).abs().amax(-1)
 
 
-def _float_codes(x, block_amax, scalar, six, order: str):
-    sf, eff = _scales(block_amax, scalar, six, order)
-    return e2m1_codes(x.to(torch.float32) / eff[..., None]), sf.to(torch.float8_e4m3fn)
+def _float_codes(x, eff):
+    return e2m1_codes(x.to(torch.float32) / eff[..., None])
 
 
-def _pack_pairs(c16: torch.Tensor) -> torch.Tensor:
-    # int16 view of codes [..., K] -> [..., K/2]: even column (low byte) in the low nibble
-    return (c16 | (c16 >> 4)).to(torch.uint8)
+def _pack_pairs(c32: torch.Tensor) -> torch.Tensor:
+    # int32 view of codes [..., K/4] (codes c0..c3 in bytes 0..3, little-endian) -> int16
+    # [..., K/4] holding the bytes c0 | c1 << 4 and c2 | c3 << 4: v | v >> 4 puts each odd
+    # code beside the even one below it (int32 lanes vectorize; int16 ones do not).
+    v = c32 | (c32 >> 4)
+    return ((v & 0xFF) | ((v >> 8) & 0xFF00)).to(torch.int16)
 
 
 @functools.cache
 def _compiled(name: str):
-    fn = {"fp8_block_amax": _fp8_block_amax, "fp8_codes": _fp8_codes,
-          "float_block_amax": _float_block_amax, "float_codes": _float_codes,
-          "pack_pairs": _pack_pairs}[name]
+    fn = {"fp8_block_amax": _fp8_block_amax, "block_scales": _block_scales,
+          "fp8_codes": _fp8_codes, "float_block_amax": _float_block_amax,
+          "float_codes": _float_codes, "pack_pairs": _pack_pairs}[name]
     return torch.compile(fn, dynamic=False)
 
 
@@ -139,7 +148,7 @@ def _run(name: str, *args):
     compilation serves every weight shape (the last, 16-wide dimension is what vectorizes).
     Non-tensor arguments (the order) are constants of the graph."""
     for t in args:
-        if isinstance(t, torch.Tensor) and t.ndim > 1:
+        if isinstance(t, torch.Tensor) and t.ndim >= 1 and t.numel() > 1:
             for d in range(t.ndim - (1 if t.shape[-1] == _G else 0)):
                 torch._dynamo.maybe_mark_dynamic(t, d)
     return _compiled(name)(*args)
@@ -147,7 +156,7 @@ def _run(name: str, *args):
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
-    return _run("pack_pairs", codes.contiguous().view(torch.int16)).view(n, k // 2)
+    return _run("pack_pairs", codes.contiguous().view(torch.int32)).view(torch.uint8).view(n, k // 2)
 
 
 # ---- backend choice --------------------------------------------------------------------------
@@ -239,8 +248,9 @@ class _InductorFp8(Prepared):
         self.amax = self.block_amax.amax()
 
     def quantize(self, scalar):
-        codes, sf = _run("fp8_codes", self.xu, self.s, self.block_amax, self._scalar(scalar),
-                         torch.tensor(6.0), self.order)
+        sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), torch.tensor(6.0),
+                       self.order)
+        codes = _run("fp8_codes", self.xu, self.s, eff)
         nb, bh, kb, bg, _ = self.xu.shape
         codes = codes.view(nb * bh, kb * bg * _G)[: self.n, : self.k]
         sf = sf.view(nb * bh, kb * bg)[: self.n, : self.k // _G]
@@ -256,8 +266,9 @@ class _InductorFloat(Prepared):
         self.amax = self.block_amax.amax()
 
     def quantize(self, scalar):
-        codes, sf = _run("float_codes", self.x, self.block_amax, self._scalar(scalar),
-                         torch.tensor(6.0), self.order)
+        sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), torch.tensor(6.0),
+                       self.order)
+        codes = _run("float_codes", self.x, eff)
         return _pack(codes.view(self.n, self.k)), sf.view(self.n, self.k // _G)
 
 

@@ -214,3 +214,13 @@ def test_choose_backend():
         choose_backend("triton", CPU)
     with pytest.raises(ValueError, match="not one of auto, reference, inductor, triton"):
         choose_backend("numba", CPU)
+
+
+def test_count_bytes_counts_nan_codes_and_floor_scales():
+    from quantize.kernels.dtypes import count_bytes
+
+    b = torch.tensor([0x7F, 0xFF, 0x01, 0x81, 0x7E, 0x01, 0x00, 0x7F], dtype=torch.uint8)
+    s = b.view(torch.float8_e4m3fn).reshape(2, 4)
+    assert count_bytes(s, 0x7F, 0x7F) == 3  # e4m3 NaN: 0x7F and 0xFF
+    assert count_bytes(s, 0x01) == 2  # the floor 2^-9 (0x81 is -2^-9)
+    assert count_bytes(s[:, 1:], 0x01) == 2  # a non-contiguous view
