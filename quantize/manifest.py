@@ -99,11 +99,12 @@ class Ledger:
         return out
 
     def mark(self, shard: str, sources: dict[str, list], amax: dict[str, dict] | None = None,
-             stats: dict | None = None) -> str:
+             stats: dict | None = None, digest: str | None = None) -> str:
         """Record ``shard`` finished (sha256, source identities, its data findings ``stats``)
         and the amaxes known so far (``{source shard: {"id": identity, "values": {tensor:
-        float}}}``)."""
-        digest = sha256_file(self.out / shard)
+        float}}}``). ``digest``: the shard's sha256 when the writer already has it
+        (``formats.shards.sha256_shard``), else the file is hashed."""
+        digest = digest or sha256_file(self.out / shard)
         self.done[shard] = {"sha256": digest, "sources": sources, "stats": stats or {}}
         for src, entry in (amax or {}).items():
             self.amax[src] = {"id": entry["id"],

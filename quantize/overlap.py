@@ -4,13 +4,17 @@ A stage runs in its own thread and hands items over through a queue of fixed dep
 most ``depth`` items wait between two stages and memory stays bounded whatever the model
 size. An exception in a stage (a bad tensor, a full disk, a KeyboardInterrupt) is re-raised,
 with its own type, in the thread that consumes or feeds the stage; the other stages stop.
+:class:`StageClock` adds up the seconds each kind of work takes, to find the stage that
+bounds the throughput.
 """
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
-__all__ = ["Producer", "Consumer"]
+__all__ = ["Producer", "Consumer", "StageClock"]
 
 _DONE = object()
 _POLL_S = 0.1
@@ -111,3 +115,31 @@ class Consumer(_Stage):
         if self._put(_DONE):
             self.thread.join()
         self._raise()
+
+
+class StageClock:
+    """Seconds spent per kind of work (``read``, ``quantize``, ``write``...), summed over
+    the threads that do it: ``seconds`` wall time, ``cpu_seconds`` the CPU time of the
+    thread doing it (its own work only, not the OpenMP workers it starts). Stages overlap, so
+    the sum exceeds the wall time; the stage whose seconds come close to the wall time is the
+    one that bounds the throughput, and the ``wait ...`` entries say how long a thread stood
+    idle for another stage. Thread-safe."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float, cpu_seconds: float = 0.0) -> None:
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+            self.cpu_seconds[stage] = self.cpu_seconds.get(stage, 0.0) + cpu_seconds
+
+    @contextmanager
+    def __call__(self, stage: str):
+        """``with clock("read"): ...`` adds the block's wall and thread CPU seconds to ``stage``."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - t0, time.thread_time() - c0)

@@ -31,21 +31,22 @@ from tqdm.auto import tqdm
 from calibrate.stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
-from formats.shards import discard, dtype_name, is_temp_name, write_shard_atomic
+from formats.shards import discard, dtype_name, is_temp_name, sha256_shard, write_shard_atomic
 from formats.sources import ShardFiles, Source
 from quantize import __version__
 from quantize.act_plan import calibration_record, input_amax_plan, kv_scale_tensors
 from quantize.errors import CalibrationError, CheckFailed, OutputError, SourceError
 from quantize.kernels.act_scales import input_global_scale_from_amax, input_scale_from_amax
+from quantize.kernels.dtypes import count_bytes
 from quantize.kernels.fp8 import quantize_fp8_block
 from quantize.kernels.fused import Prepared, choose_backend, prepare_float, prepare_fp8
 from quantize.kernels.mxfp8 import quantize_mxfp8
 from quantize.kernels.nvfp4 import global_scale_from_amax, scale_2_from_amax
 from quantize.kernels.scale_search import quantize_nvfp4_search
-from quantize.memory import bound_allocator, release_freed_memory
+from quantize.memory import CONVERT_MMAP_THRESHOLD, bound_allocator, release_freed_memory
 from quantize.manifest import (MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, remove_ledgers,
                                write_manifest)
-from quantize.overlap import Consumer, Producer
+from quantize.overlap import Consumer, Producer, StageClock
 from quantize.parallel import World, assign_shards, current_world, spawn_local
 from quantize.plan import (Decision, dropped_tensors, fp8_passthrough, module_of, predict_outputs,
                            tied_embeddings)
@@ -69,6 +70,8 @@ class Summary:
     ignore: list[str]
     notes: list[str] = field(default_factory=list)
     findings: list = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # quantize.overlap.StageClock
+    stage_cpu_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def gelem_per_s(self) -> float:
@@ -211,6 +214,7 @@ class _Job:
     channel_weight: dict[str, torch.Tensor] = field(default_factory=dict)  # mse-act, by module
     input_amax: dict[str, float] = field(default_factory=dict)  # W4A4, by module
     kv_tensors: dict[str, dict] = field(default_factory=dict)  # KV scales, by the tensor they follow
+    clock: StageClock = field(default_factory=StageClock)
 
 
 class _Searched(Prepared):
@@ -281,16 +285,17 @@ class _Reader:
         if job.scales != "rtn":
             w = self._load(name, nvfp4=True)
             cw = job.channel_weight.get(module_of(name)) if job.scales == "mse-act" else None
-            prep = _Searched(w.to(self.device), float(self._amax[name]), cw)
-            return prep
+            return _Searched(w.to(self.device), float(self._amax[name]), cw)
         backend = choose_backend(self.kernel, self.device, source.tensors[name].numel)
-        fp8 = source.read_fp8(name)
-        if fp8 is not None:
-            prep = prepare_fp8(*fp8, backend=backend, device=self.device, order=self.order)
-        else:
-            prep = prepare_float(source.read(name), backend=backend, device=self.device,
-                                 order=self.order)
-        prep.amax = prep.amax.cpu()
+        with job.clock("read"):
+            fp8 = source.read_fp8(name)
+            w = source.read(name) if fp8 is None else None
+        with job.clock("dequant + amax"):
+            if fp8 is not None:
+                prep = prepare_fp8(*fp8, backend=backend, device=self.device, order=self.order)
+            else:
+                prep = prepare_float(w, backend=backend, device=self.device, order=self.order)
+            prep.amax = prep.amax.cpu()
         _refuse_amax(name, float(prep.amax), source, True,
                      lambda: source.read(name).to(torch.float32))
         self._amax[name] = prep.amax
@@ -302,7 +307,8 @@ class _Reader:
         return self._amax[name]
 
     def _load(self, name: str, nvfp4: bool = False) -> torch.Tensor:
-        w = self.job.source.read(name).to(torch.float32)
+        with self.job.clock("read"):  # FP8 dequantized in the read here
+            w = self.job.source.read(name).to(torch.float32)
         self._amax[name] = torch.tensor(_checked_amax(name, w, self.job.source, nvfp4) or 0.0)
         return w
 
@@ -311,7 +317,8 @@ class _Reader:
         else quantized from the fp32 read (DeepSeek convention, scale = block amax / 448)."""
         scale = fp8_passthrough(self.job.source, name)
         if scale is not None:
-            return self.job.source.read_raw(name), self.job.source.read_raw(scale.name)
+            with self.job.clock("read"):
+                return self.job.source.read_raw(name), self.job.source.read_raw(scale.name)
         return quantize_fp8_block(self._load(name))
 
     def items(self, shards: list[str], written=None):
@@ -353,7 +360,8 @@ class _Reader:
                 elif d.target is Target.MXFP8:
                     yield shard, t.name, _Ready(job.writer.emit_mxfp8(mod, *quantize_mxfp8(self._load(t.name))), None)
                 else:
-                    x = source.read(t.name)
+                    with job.clock("read"):
+                        x = source.read(t.name)
                     x = x.to(torch.bfloat16) if d.target is Target.BF16 else x
                     amax = _checked_amax(t.name, x, source, nvfp4=False)
                     yield shard, t.name, _Ready({t.name: x}, amax if x.ndim == 2 else None)
@@ -419,24 +427,29 @@ def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tup
 
 
 def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
-                    device: torch.device, kernel: str, bar) -> tuple[int, int, int, dict, dict]:
+                    device: torch.device, kernel: str, bar) -> tuple[int, int, int, dict, dict, tuple]:
     """Convert ``shards`` with reading, quantizing and writing overlapped (quantize/overlap.py):
     at most 2 prepared tensors wait for the quantizer and 1 finished shard for the writer.
 
     Returns:
         (shards written, shards skipped because a ledger has them, elements quantized,
-        {shard: sha256}, {shard: data findings} of these shards).
+        {shard: sha256}, {shard: data findings} of these shards, ({stage: wall seconds},
+        {stage: CPU seconds of the thread})).
     """
-    source, writer = job.source, job.writer
+    source, writer, clock = job.source, job.writer, job.clock
     counts = {"written": 0, "skipped": 0}
     on_disk, changed, cancel = set(), threading.Condition(), threading.Event()
 
     def write(item) -> None:
         shard, tensors, deps, amaxes, stats = item
-        write_shard_atomic(tensors, out / shard)
+        with clock("write (serialize + fsync)"):
+            write_shard_atomic(tensors, out / shard)
+        with clock("hash"):
+            digest = sha256_shard(out / shard, tensors)
         tensors.clear()
         release_freed_memory()
-        ledger.mark(shard, deps, amaxes, stats)
+        with clock("ledger"):
+            ledger.mark(shard, deps, amaxes, stats, digest)
         counts["written"] += 1
         bar.update(job.shard_bytes[shard])
         with changed:
@@ -459,7 +472,12 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
     try:
         tensors: dict[str, torch.Tensor] = {}
         stats: dict = {}
-        for shard, name, value in reader:
+        items = iter(reader)
+        while True:
+            with clock("wait for read"):
+                shard, name, value = next(items, (None, None, None))
+            if shard is None:
+                break
             if name is _SKIPPED:
                 counts["skipped"] += 1
                 bar.update(job.shard_bytes[shard])
@@ -469,19 +487,21 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
                 _assert_predicted(tensors, {k: v for n in members
                                             for k, v in job.predicted[n].items()}, shard)
                 bar.set_postfix_str(shard)
-                saver.put((shard, tensors, *value, stats))
+                with clock("wait for write"):
+                    saver.put((shard, tensors, *value, stats))
                 tensors, stats = {}, {}
                 continue
             if isinstance(value, _Quantize):  # NVFP4: the kernel runs here
                 prep, g, s2 = value
-                packed, scale = prep.quantize(s2 if writer.NVFP4_ORDER == "scale_2" else g)
+                with clock("quantize"):
+                    packed, scale = prep.quantize(s2 if writer.NVFP4_ORDER == "scale_2" else g)
+                    _shard_stats(stats, name, float(prep.amax), scale)
                 mod = module_of(name)
                 a_in = job.input_amax.get(mod)
                 tensors.update(writer.emit_nvfp4(
                     mod, packed, scale, g, s2,
                     input_global_scale=input_global_scale_from_amax(a_in) if a_in is not None else None,
                     input_scale=input_scale_from_amax(a_in) if a_in is not None else None))
-                _shard_stats(stats, name, float(prep.amax), scale)
                 elements += source.tensors[name].numel
             else:
                 tensors.update(value.tensors)
@@ -489,7 +509,8 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
                 if job.decisions[name].target in (Target.FP8_BLOCK, Target.MXFP8):
                     elements += source.tensors[name].numel
             tensors.update(job.kv_tensors.get(name, {}))
-        saver.finish()
+        with clock("wait for write"):
+            saver.finish()
     except BaseException:
         if saver.error is not None:  # the writer failed first: report its error
             raise saver.error from None
@@ -499,7 +520,8 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
         reader.close()
         saver.close()
     digests = {s: ledger.done[s]["sha256"] for s in shards if s in ledger.done}
-    return counts["written"], counts["skipped"], elements, digests, {s: ledger.stats(s) for s in shards}
+    return (counts["written"], counts["skipped"], elements, digests,
+            {s: ledger.stats(s) for s in shards}, (dict(clock.seconds), dict(clock.cpu_seconds)))
 
 
 def _on_every_rank(world: World, fn):
@@ -592,7 +614,9 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
                              min_expert_tokens)
         return pre, calib
 
+    t_plan = time.perf_counter()
     pre, calib = _on_every_rank(world, plan)
+    t_plan = time.perf_counter() - t_plan
     source, decisions = pre.source, pre.decisions
     input_amax = input_amax_plan(decisions, calib.stats, calib.min_tokens) if scheme == "w4a4" else {}
     kv_dtype = _model_dtype(source.config)
@@ -646,7 +670,7 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
                disable=not progress, position=world.rank)
 
     def run_rank():
-        bound_allocator()
+        bound_allocator(CONVERT_MMAP_THRESHOLD)
         ledger = Ledger(out, job_id, resume, rank=world.rank if world.size > 1 else None)
         return _convert_shards(job, mine, out, ledger, dev, kernel, bar)
 
@@ -667,17 +691,25 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
     written, skipped, elements = (sum(x[i] for x in results) for i in range(3))
     digests = {k: v for x in results for k, v in x[3].items()}
     shard_stats = {k: v for x in results for k, v in x[4].items()}
+    stages, stage_cpu = {"pre-flight": t_plan}, {}
+    for x in results:
+        for total, part in ((stages, x[5][0]), (stage_cpu, x[5][1])):
+            for k, v in part.items():
+                total[k] = total.get(k, 0.0) + v
     notes += _data_notes([shard_stats[s] for s in out_shards])
 
     summary = err = None
     if world.rank == 0:
         try:
+            t_finish = time.perf_counter()
             summary = _finish(job, out, scheme, options, headers, counts, notes, tied, bytes_in,
                               source_info, tp, engine, digests, kv_cache,
                               calibration_record(calib.stats, calib.sha256, calib.min_tokens)
                               if calib.stats is not None else None)
             summary.elements_quantized, summary.shards_written = elements, written
             summary.shards_skipped, summary.seconds = skipped, time.perf_counter() - t0
+            stages["finish (index, config, check, manifest)"] = time.perf_counter() - t_finish
+            summary.stage_seconds, summary.stage_cpu_seconds = stages, stage_cpu
         except BaseException as e:
             err = e
     summary, err = world.broadcast((summary, err))
@@ -758,7 +790,7 @@ def _shard_stats(stats: dict, name: str, amax: float | None,
     if amax == 0.0 and name.endswith(".weight"):
         stats.setdefault("zero", []).append(name)
     if block_scale is not None:
-        floor = int((block_scale.view(torch.uint8) == 1).sum())
+        floor = count_bytes(block_scale, 0x01)
         if floor:
             stats["floor_blocks"] = stats.get("floor_blocks", 0) + floor
             stats["floor_tensors"] = stats.get("floor_tensors", 0) + 1
