@@ -437,6 +437,7 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
         {stage: CPU seconds of the thread})).
     """
     source, writer, clock = job.source, job.writer, job.clock
+    t_loop = time.perf_counter()
     counts = {"written": 0, "skipped": 0}
     on_disk, changed, cancel = set(), threading.Condition(), threading.Event()
 
@@ -520,6 +521,7 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
         reader.close()
         saver.close()
     digests = {s: ledger.done[s]["sha256"] for s in shards if s in ledger.done}
+    clock.add("shard loop (wall)", time.perf_counter() - t_loop)
     return (counts["written"], counts["skipped"], elements, digests,
             {s: ledger.stats(s) for s in shards}, (dict(clock.seconds), dict(clock.cpu_seconds)))
 
