@@ -227,6 +227,19 @@ def subset(src: Path, dst: Path, gb: float) -> tuple[Path, int]:
     return dst, len(keep)
 
 
+def filesystem(path: Path) -> str:
+    """``type on mount point`` of the file system holding ``path`` (tmpfs means RAM, not a disk)."""
+    best = ("?", "?")
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _, mnt, fstype = line.split()[:3]
+            if str(path.resolve()).startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(best[0]):
+                best = (mnt, fstype)
+    except OSError:
+        pass
+    return f"{best[1]} on {best[0]}"
+
+
 def same_shards(a: Path, b: Path, shards: list[str]) -> bool:
     return all((a / s).read_bytes() == (b / s).read_bytes() for s in shards)
 
@@ -295,7 +308,8 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     say(f"machine: {cores} cores, load average {os.getloadavg()[0]:.1f}, device {dev_name}, "
-        f"torch {torch.__version__}, python {sys.version.split()[0]}, {args.workers} worker(s)")
+        f"torch {torch.__version__}, python {sys.version.split()[0]}, {args.workers} worker(s); "
+        f"work folder {work} ({filesystem(work)})")
 
     try:
         cold = drop_caches()

@@ -157,3 +157,19 @@ def assert_same_build(a: Path, b: Path, same_source: bool = True) -> None:
             assert x == y
         else:
             assert p.read_bytes() == (b / p.name).read_bytes(), p.name
+
+
+def killed_at_write(monkeypatch, n: int):
+    """Make the converter's ``n``-th shard write raise KeyboardInterrupt (a kill while that
+    shard is written); ``monkeypatch.undo()`` lets the next run write again."""
+    import quantize.pipeline as pl
+
+    real, calls = pl.write_shard_atomic, {"n": 0}
+
+    def dying(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(tensors, path, metadata)
+
+    monkeypatch.setattr(pl, "write_shard_atomic", dying)

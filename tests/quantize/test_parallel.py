@@ -17,7 +17,7 @@ from quantize.kernels.fused import _has_cxx, _has_triton
 from quantize.manifest import MANIFEST_NAME
 from quantize.parallel import assign_shards
 from quantize.pipeline import convert
-from conftest import assert_same_build
+from conftest import assert_same_build, killed_at_write
 from test_pipeline import moe_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,18 +107,8 @@ def test_failed_rank_stops_all_then_resume_with_other_rank_count(moe, tmp_path):
 
 
 def test_single_process_ledger_resumed_by_two_workers(moe, tmp_path, monkeypatch):
-    import quantize.pipeline as pl
-
     src, clean = moe
-    real, calls = pl.write_shard_atomic, {"n": 0}
-
-    def dying(tensors, path, metadata=None):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt  # killed while writing shard 3
-        real(tensors, path, metadata)
-
-    monkeypatch.setattr(pl, "write_shard_atomic", dying)
+    killed_at_write(monkeypatch, 3)
     out = tmp_path / "o"
     with pytest.raises(KeyboardInterrupt):
         convert(src, out, progress=False, device="cpu", kernel="reference")
