@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from formats.checkpoint import scan_headers, scan_index
-from formats.shards import ShardReader, TensorInfo, read_header
+from formats.shards import ShardReader, TensorInfo, prefetch_file, read_header
 from quantize.errors import Finding, SourceError, raise_findings
 from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast
 
@@ -218,12 +218,13 @@ class Source:
                 out.add(t.scale.shard)
         return out
 
-    def stream(self) -> Iterator[str]:
-        """Yield shard names in index order. When the caller moves on from a shard, every
-        shard that no later shard reads is closed and handed to ``files.release`` (a Hub
-        source deletes it), so only the current shard and its cross-shard partners stay on
-        disk. ``files.finish()`` runs after the last shard."""
-        order = self.shards
+    def stream(self, shards: list[str] | None = None) -> Iterator[str]:
+        """Yield shard names in index order (all, or those of ``shards``: one rank's share).
+        When the caller moves on from a shard, every shard that no later shard reads is
+        closed and handed to ``files.release`` (a Hub source deletes it), so only the current
+        shard and its cross-shard partners stay on disk. ``files.finish()`` runs after the
+        last shard."""
+        order = self.shards if shards is None else [s for s in self.shards if s in set(shards)]
         reads = {s: self.reads_of(s) for s in order}
         for i, shard in enumerate(order):
             yield shard
@@ -252,6 +253,39 @@ class Source:
         if self.layout.block:
             return dequantize_fp8_block(raw, scale, self.layout.block)
         return dequantize_fp8_broadcast(raw, scale, self.layout.group)
+
+    def read_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+        """Read an FP8 logical tensor without dequantizing it.
+
+        Returns:
+            ``(weight float8_e4m3fn [N, K], scale [ceil(N/bh), ceil(K/bw)], (bh, bw))`` with
+            the scale a multiplier grid as stored (float32 or bfloat16): block FP8 as is;
+            compressed-tensors group g as blocks (1, g), channel as (1, K), tensor as (N, K).
+            ``dequantize_fp8_block(*result)`` equals :meth:`read`. None for tensors that are
+            not FP8.
+
+        Raises:
+            SourceError: naming the tensor and shard when the bytes cannot be read.
+        """
+        t = self.tensors[name]
+        if t.scale is None:
+            return None
+        self._require_data(name)
+        raw = self._reader.get(t.shard, name)
+        scale = self._reader.get(t.scale.shard, t.scale.name)
+        n, k = raw.shape
+        if self.layout.block:
+            return raw, scale, tuple(self.layout.block)
+        if self.layout.group:
+            return raw, scale, (1, self.layout.group)
+        if scale.numel() == 1:
+            return raw, scale.reshape(1, 1), (n, k)
+        return raw, scale.reshape(n, 1), (1, k)
+
+    def prefetch(self, shard: str) -> None:
+        """Start reading ``shard`` from disk in the background when it is already on disk
+        (``formats.shards.prefetch_file``); never fetches it."""
+        prefetch_file(self.files.folder / shard)
 
     def read_raw(self, name: str) -> torch.Tensor:
         """Read any stored tensor (weights or scale sidecars) exactly as stored."""

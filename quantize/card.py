@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from quantize.errors import CardError, OutputError
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
+from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
 from quantize.redact import redact
 
 __all__ = ["CARDS", "TEMPLATE", "REPORT", "PLAN", "load_build", "read_gate", "render_card",
@@ -43,7 +43,7 @@ def load_build(build: Path) -> dict:
             or a file the manifest lists is missing or has another size.
     """
     build = Path(build)
-    if not (build / MANIFEST_NAME).is_file() or (build / PROGRESS_NAME).exists():
+    if not (build / MANIFEST_NAME).is_file() or has_ledger(build):
         raise OutputError(f"{build} is not a finished build (no {MANIFEST_NAME}, or an "
                           f"unfinished {PROGRESS_NAME}); finish it with `quantize nvfp4 "
                           "--resume` first", key=MANIFEST_NAME)

@@ -37,6 +37,7 @@ from formats.engines import (ENGINES, FORMAT_SUPPORT, MODEL_RULES, MODELOPT_REQU
                              align_violations)
 from formats.shards import ShardReader, TensorInfo, read_header
 from quantize import archs
+from quantize.kernels.dtypes import count_bytes
 
 __all__ = ["Finding", "check_build"]
 
@@ -359,7 +360,7 @@ def _check_scales(mods: dict[str, _Module], reader: ShardReader, out: list) -> N
                 continue
             t = reader.get(info.shard, info.name)
             if t.dtype == torch.float8_e4m3fn:
-                bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+                bad = count_bytes(t, 0x7F, 0x7F)
                 if bad:
                     out.append(Finding("error", "scale", f"{bad} NaN e4m3 byte(s) (0x7F/0xFF) (FC-11)", info.name))
             elif t.dtype != torch.uint8:

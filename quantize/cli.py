@@ -46,8 +46,11 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
 
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
     from quantize.manifest import resume_hint
+    from quantize.parallel import current_world, init_from_env
     from quantize.pipeline import convert
 
+    init_from_env()  # under torchrun: one rank of several
+    rank = current_world().rank
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source)
     if args.method == "gptq":
         from calibrate.gptq import convert_gptq
@@ -63,12 +66,15 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
                           device=args.device, resume=args.resume, progress=not args.quiet,
                           source_info=info, tp=args.tp, engine=args.engine,
                           calibration=args.calibration, kv_cache=args.kv_cache, scales=args.scales,
-                          min_expert_tokens=args.min_expert_tokens)
+                          min_expert_tokens=args.min_expert_tokens, kernel=args.kernel,
+                          workers=args.workers)
     except (SparkQuantError, KeyboardInterrupt) as e:
         hint = resume_hint(out)
         if hint:
             e.args = (f"{e}\n{hint}",) if str(e) else (hint,)
         raise
+    if rank:
+        return 0
     print(summary.render())
     if fetcher is not None:
         print(f"  source: {info['repo']}@{info['commit']}, downloaded "
@@ -241,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
                    help="engine whose load rules the plan and the final check apply")
     n.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    n.add_argument("--kernel", default="auto", choices=["auto", "reference", "inductor", "triton"],
+                   help="quantization kernel: inductor (CPU, compiled) or triton (CUDA); "
+                        "reference is plain PyTorch; all write the same bytes")
+    n.add_argument("--workers", type=int, default=1,
+                   help="processes on this machine, shards divided among them (under torchrun "
+                        "the ranks divide the shards instead)")
     n.add_argument("--resume", action="store_true",
                    help="continue an interrupted build in --out; finished shards are kept")
     n.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -10,7 +10,9 @@
   fused group's shared global scale without re-reading (or re-downloading) finished shards,
   and each finished shard's data findings (all-zero weights, block scales at the e4m3 floor)
   so a resumed build reports the same notes as an uninterrupted one. It is removed when the
-  build completes.
+  build completes. When several ranks convert (quantize/parallel.py), each keeps
+  ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the number of
+  ranks then.
 
 Every string in the manifest passes through ``quantize.redact`` (no tokens in manifests).
 """
@@ -24,11 +26,18 @@ from formats.shards import is_temp_name, sha256_file
 from quantize.errors import OutputError
 from quantize.redact import redact_obj
 
-__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "write_manifest",
-           "resume_hint"]
+__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "has_ledger",
+           "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint"]
 
 MANIFEST_NAME = "spark_quant_manifest.json"
 PROGRESS_NAME = ".spark-quant-progress.json"
+_PROGRESS_GLOB = ".spark-quant-progress*.json"
+
+
+def is_ledger_name(rel: str) -> bool:
+    """True for the resume ledger of a single run or of one rank (a path relative to the
+    build folder)."""
+    return Path(rel).match(_PROGRESS_GLOB)
 
 
 def fingerprint(obj) -> str:
@@ -43,26 +52,28 @@ class Ledger:
     shard it was computed from, so a re-downloaded or edited source shard is converted again.
     """
 
-    def __init__(self, out: Path, job: str, resume: bool):
-        self.path = Path(out) / PROGRESS_NAME
+    def __init__(self, out: Path, job: str, resume: bool, rank: int | None = None):
+        name = PROGRESS_NAME if rank is None else f".spark-quant-progress.rank{rank}.json"
+        self.path = Path(out) / name
         self.out = Path(out)
         self.done: dict[str, dict] = {}
         self.amax: dict[str, dict] = {}  # source shard -> {"id": identity, "values": {name: hex}}
-        if resume and self.path.exists():
-            try:
-                data = json.loads(self.path.read_text())
-                job_seen, done = data["job"], data["shards"]
-                if not isinstance(done, dict):
-                    raise TypeError("shards is not an object")
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise OutputError(f"resume ledger {self.path} is corrupt ({e}); delete it to "
-                                  "start this build over", key=PROGRESS_NAME) from None
-            if job_seen != job:
-                raise OutputError(
-                    f"{out} holds a different build (options or source changed); use a new --out "
-                    "or delete the folder", key=PROGRESS_NAME)
-            self.done = done
-            self.amax = data.get("amax") or {}
+        if resume:
+            for p in sorted(self.out.glob(_PROGRESS_GLOB)):
+                try:
+                    data = json.loads(p.read_text())
+                    job_seen, done = data["job"], data["shards"]
+                    if not isinstance(done, dict):
+                        raise TypeError("shards is not an object")
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    raise OutputError(f"resume ledger {p} is corrupt ({e}); delete it to "
+                                      "start this build over", key=p.name) from None
+                if job_seen != job:
+                    raise OutputError(
+                        f"{out} holds a different build (options or source changed); use a new "
+                        "--out or delete the folder", key=p.name)
+                self.done.update(done)
+                self.amax.update(data.get("amax") or {})
         self.job = job
         self._save()
 
@@ -88,11 +99,12 @@ class Ledger:
         return out
 
     def mark(self, shard: str, sources: dict[str, list], amax: dict[str, dict] | None = None,
-             stats: dict | None = None) -> str:
+             stats: dict | None = None, digest: str | None = None) -> str:
         """Record ``shard`` finished (sha256, source identities, its data findings ``stats``)
         and the amaxes known so far (``{source shard: {"id": identity, "values": {tensor:
-        float}}}``)."""
-        digest = sha256_file(self.out / shard)
+        float}}}``). ``digest``: the shard's sha256 when the writer already has it
+        (``formats.shards.sha256_shard``), else the file is hashed."""
+        digest = digest or sha256_file(self.out / shard)
         self.done[shard] = {"sha256": digest, "sources": sources, "stats": stats or {}}
         for src, entry in (amax or {}).items():
             self.amax[src] = {"id": entry["id"],
@@ -112,26 +124,45 @@ class Ledger:
         self.path.unlink(missing_ok=True)
 
 
+def has_ledger(out: Path) -> bool:
+    """True when ``out`` holds the resume ledger of some rank."""
+    return any(Path(out).glob(_PROGRESS_GLOB))
+
+
+def remove_ledgers(out: Path) -> None:
+    """Delete every rank's ledger (the build is complete)."""
+    for p in Path(out).glob(_PROGRESS_GLOB):
+        p.unlink(missing_ok=True)
+
+
 def resume_hint(out: Path) -> str | None:
-    """How far an interrupted build in ``out`` got and how to continue it, or None when
-    ``out`` holds no progress ledger."""
-    try:
-        done = len(json.loads((Path(out) / PROGRESS_NAME).read_text()).get("shards", {}))
-    except (OSError, ValueError, AttributeError):
+    """How far an interrupted build in ``out`` got (over every rank's ledger) and how to
+    continue it, or None when ``out`` holds no progress ledger."""
+    done, found = 0, False
+    for p in Path(out).glob(_PROGRESS_GLOB):
+        try:
+            done += len(json.loads(p.read_text()).get("shards", {}))
+            found = True
+        except (OSError, ValueError, AttributeError):
+            continue
+    if not found:
         return None
     return (f"{done} output shard(s) are finished in {out}; fix the cause and rerun the same "
             "command with --resume to continue")
 
 
-def write_manifest(out: Path, info: dict) -> dict:
+def write_manifest(out: Path, info: dict, digests: dict[str, str] | None = None) -> dict:
     """Hash every file in ``out`` (except the manifest and ledger) into ``info["files"]`` and
-    write the manifest atomically. Returns the manifest dict."""
+    write the manifest atomically. ``digests`` (file name -> sha256 the ledgers recorded when
+    the shards were written or verified on resume) saves hashing those files again. Returns
+    the manifest dict."""
     out = Path(out)
+    digests = digests or {}
     files = {}
     for p in sorted(out.rglob("*")):
         rel = str(p.relative_to(out))
-        if p.is_file() and rel not in (MANIFEST_NAME, PROGRESS_NAME) and not is_temp_name(p.name):
-            files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        if p.is_file() and rel != MANIFEST_NAME and not is_ledger_name(rel) and not is_temp_name(p.name):
+            files[rel] = {"sha256": digests.get(rel) or sha256_file(p), "bytes": p.stat().st_size}
     manifest = redact_obj(dict(info, files=files))
     write_json_atomic(manifest, out / MANIFEST_NAME)
     return manifest

@@ -35,7 +35,7 @@ from quantize import archs
 from quantize.budget import check_free_disk, predicted_output_bytes
 from quantize.errors import Finding, OutputError, SourceError, raise_findings, render_findings
 from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
+from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
 from quantize.plan import Decision, plan_tensors, predict_outputs
 from quantize.recipe import Recipe
 
@@ -190,7 +190,7 @@ def check_output(out: Path, src: Path, resume: bool, source: Source | None = Non
         return f
     entries = list(out.iterdir()) if out.is_dir() else []
     if entries:
-        ours = (out / PROGRESS_NAME).exists() or (out / MANIFEST_NAME).exists()
+        ours = has_ledger(out) or (out / MANIFEST_NAME).exists()
         leftovers = all(is_temp_name(p.name) for p in entries)  # killed before its first rename
         if not resume:
             err(f"output folder {out} is not empty; "

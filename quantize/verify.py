@@ -34,7 +34,7 @@ from formats.shards import ShardReader, TensorInfo, is_temp_name, read_header, s
 from formats.sources import Source, inspect_source
 from quantize.errors import Finding, SourceError, SparkQuantError, render_findings
 from quantize.kernels.nvfp4 import dequantize_nvfp4
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, fingerprint
+from quantize.manifest import MANIFEST_NAME, fingerprint, has_ledger, is_ledger_name
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -95,7 +95,7 @@ def _check_files(build: Path, manifest: dict, rep: VerifyReport) -> None:
     for p in sorted(build.rglob("*")):
         rel = str(p.relative_to(build))
         if p.is_file() and rel != MANIFEST_NAME and rel not in listed:
-            why = ("an unfinished run's progress ledger" if rel == PROGRESS_NAME else
+            why = ("an unfinished run's progress ledger" if is_ledger_name(rel) else
                    "a leftover temp file" if is_temp_name(p.name) else "not in the manifest")
             rep.add("error", "files", f"{rel}: {why}", key=rel)
 
@@ -301,7 +301,7 @@ def verify(build: str | Path, src: str | Path | None = None, rows: int = 4) -> V
     try:
         manifest = json.loads((build / MANIFEST_NAME).read_text())
     except FileNotFoundError:
-        ledger = (build / PROGRESS_NAME).exists()
+        ledger = has_ledger(build)
         rep.add("error", "files", f"{build} has no {MANIFEST_NAME}: not a finished build"
                 + (" (a progress ledger is there: the conversion was interrupted; rerun it with "
                    "--resume)" if ledger else ""), key=MANIFEST_NAME)

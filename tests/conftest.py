@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantize.kernels.fp8 import quantize_fp8_block
+from quantize.manifest import MANIFEST_NAME
 
 def ct_nvfp4_reference(w: torch.Tensor, amax: torch.Tensor | None = None):
     """compressed-tensors' own NVFP4 path on float32 ``w`` [N, K]: ``generate_gparam`` (over
@@ -142,3 +143,33 @@ def glm5_next_src(tmp_path_factory) -> Path:
     from quantize.fixtures import write_release_fixture
 
     return write_release_fixture(tmp_path_factory.mktemp("glm5_next") / "src", "glm5_next")
+
+
+def assert_same_build(a: Path, b: Path, same_source: bool = True) -> None:
+    """Every file byte-identical; the manifest equal (but for the source path when the two
+    builds read copies of one source)."""
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in sorted(a.iterdir()):
+        if p.name == MANIFEST_NAME:
+            x, y = json.loads(p.read_text()), json.loads((b / p.name).read_text())
+            if not same_source:
+                x["source"].pop("path"), y["source"].pop("path")
+            assert x == y
+        else:
+            assert p.read_bytes() == (b / p.name).read_bytes(), p.name
+
+
+def killed_at_write(monkeypatch, n: int):
+    """Make the converter's ``n``-th shard write raise KeyboardInterrupt (a kill while that
+    shard is written); ``monkeypatch.undo()`` lets the next run write again."""
+    import quantize.pipeline as pl
+
+    real, calls = pl.write_shard_atomic, {"n": 0}
+
+    def dying(tensors, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(tensors, path, metadata)
+
+    monkeypatch.setattr(pl, "write_shard_atomic", dying)

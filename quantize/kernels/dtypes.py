@@ -5,6 +5,7 @@ implemented in compressed-tensors ``compressors/nvfp4/helpers.py`` (kE2M1ToFloat
 nvidia-modelopt ``quantization/qtensor/nvfp4_tensor.py`` (e2m1_values).
 """
 
+import numpy as np
 import torch
 
 E2M1_MAX = 6.0
@@ -37,3 +38,13 @@ E2M1_LUT = torch.cat([E2M1_VALUES, -E2M1_VALUES])
 # Same table as compressed-tensors ``cast_to_fp4`` and modelopt ``_cast_fp4``.
 E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
                    (2.5, False), (3.5, True), (5.0, False))
+
+
+def count_bytes(t: torch.Tensor, value: int, mask: int = 0xFF) -> int:
+    """Number of bytes ``b`` of the CPU tensor ``t`` (any 1-byte dtype, e.g. e4m3 block
+    scales) with ``b & mask == value``: ``count_bytes(s, 0x7F, 0x7F)`` counts e4m3 NaN codes,
+    ``count_bytes(s, 0x01)`` scales at the e4m3 floor 2^-9. Counted through numpy, whose
+    byte compares are vectorized (torch's uint8 compare + sum runs tens of times slower on CPU).
+    """
+    b = t.contiguous().view(torch.uint8).numpy()
+    return int(np.count_nonzero((b & mask if mask != 0xFF else b) == value))

@@ -35,6 +35,8 @@ from quantize.kernels.dtypes import (
 
 __all__ = [
     "global_scale_from_amax",
+    "nvfp4_block_scale",
+    "nvfp4_block_scale_scale2",
     "scale_2_from_amax",
     "quantize_nvfp4_scale2",
     "quantize_nvfp4",
@@ -116,6 +118,45 @@ def _blocks(w: torch.Tensor, fn: str) -> torch.Tensor:
     return w.view(n, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
 
 
+def nvfp4_block_scale(block_amax: torch.Tensor, global_scale: torch.Tensor,
+                      e2m1_max: float | torch.Tensor = E2M1_MAX) -> torch.Tensor:
+    """e4m3 block scales of blocks with max |w| ``block_amax``, as float32 values
+    (compressed-tensors order).
+
+    ``fp8(clamp(global * (block_amax / 6), -448, 448))`` as in ``calculate_qparams``; a non-zero
+    block whose scale would underflow gets 2^-9 (FC-11b); a zero scale becomes 0.125
+    (compressed-tensors ``_get_dtype_eps``).
+
+    Args:
+        block_amax: float32, any shape, >= 0. global_scale: float32 [1] (``2688 / amax``).
+        e2m1_max: 6; compiled callers pass it as a 0-dim tensor so that no compiler turns the
+            division into a multiplication by 1/6 (not exact).
+
+    Returns:
+        float32, shape of ``block_amax``; every value is exactly representable in e4m3.
+    """
+    pre = global_scale * (block_amax / e2m1_max)
+    pre = torch.clamp(pre, -E4M3_MAX, E4M3_MAX)
+    # FC-11b: a non-zero block must not underflow to a zero scale.
+    pre = torch.where((block_amax > 0) & (pre < E4M3_MIN_SUBNORMAL), E4M3_MIN_SUBNORMAL, pre)
+    scale_f = pre.to(torch.float8_e4m3fn).to(torch.float32)
+    return torch.where(scale_f == 0, CT_ZERO_BLOCK_SCALE, scale_f)
+
+
+def nvfp4_block_scale_scale2(block_amax: torch.Tensor, scale_2: torch.Tensor,
+                             e2m1_max: float | torch.Tensor = E2M1_MAX) -> torch.Tensor:
+    """e4m3 block scales as float32 values in nvidia-modelopt's order:
+    ``fp8(clamp(block_amax / (6 * scale_2), 2^-9, 448))``, an all-zero block getting 1.0.
+
+    Args:
+        block_amax: float32, any shape, >= 0. scale_2: 0-dim float32 (``amax / 2688``).
+        e2m1_max: 6 (see :func:`nvfp4_block_scale`).
+    """
+    pre = block_amax / (e2m1_max * scale_2)
+    pre = torch.where(pre == 0, torch.ones_like(pre), pre)
+    return pre.clamp(min=E4M3_MIN_SUBNORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
 def quantize_nvfp4(
     w: torch.Tensor, global_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,14 +178,7 @@ def quantize_nvfp4(
     blocks = _blocks(w, "quantize_nvfp4")
     n, k = w.shape
     g = global_scale.to(device=w.device, dtype=torch.float32)
-    block_amax = blocks.abs().amax(dim=-1)
-    # CT order: (amax_b / 6) * global, clamped into the e4m3 range, then cast.
-    pre = g * (block_amax / E2M1_MAX)
-    pre = torch.clamp(pre, -E4M3_MAX, E4M3_MAX)
-    # FC-11b: a non-zero block must not underflow to a zero scale.
-    pre = torch.where((block_amax > 0) & (pre < E4M3_MIN_SUBNORMAL), E4M3_MIN_SUBNORMAL, pre)
-    scale_f = pre.to(torch.float8_e4m3fn).to(torch.float32)
-    scale_f = torch.where(scale_f == 0, CT_ZERO_BLOCK_SCALE, scale_f)
+    scale_f = nvfp4_block_scale(blocks.abs().amax(dim=-1), g)
     eff = scale_f / g
     q = blocks / eff.unsqueeze(-1)
     q = torch.clamp(q, -E2M1_MAX, E2M1_MAX)
@@ -173,12 +207,10 @@ def quantize_nvfp4_scale2(
     blocks = _blocks(w, "quantize_nvfp4_scale2")
     n, k = w.shape
     s2 = scale_2.to(device=w.device, dtype=torch.float32).reshape(())
-    pre = blocks.abs().amax(dim=-1) / (E2M1_MAX * s2)
-    pre = torch.where(pre == 0, torch.ones_like(pre), pre)
-    scale = pre.clamp(min=E4M3_MIN_SUBNORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    q = blocks / (scale.to(torch.float32) * s2).unsqueeze(-1)
+    scale_f = nvfp4_block_scale_scale2(blocks.abs().amax(dim=-1), s2)
+    q = blocks / (scale_f * s2).unsqueeze(-1)
     codes = round_to_e2m1_codes(q.clamp(-E2M1_MAX, E2M1_MAX)).view(n, k)
-    return pack_e2m1(codes), scale
+    return pack_e2m1(codes), scale_f.to(torch.float8_e4m3fn)
 
 
 def dequantize_nvfp4(

@@ -211,3 +211,21 @@ def test_check_build_runs_the_calibration_rules(llama, tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps(idx))
     errors = [f for f in check_build(out) if f.level == "error"]
     assert [(f.rule, f.tensor) for f in errors] == [("calibration", "model.layers.0.mlp.up_proj")]
+
+
+def test_fast_kernel_and_workers_write_the_reference_calibrated_build(llama, tmp_path):
+    """W4A4 input scales and FP8 KV scales through the compiled kernel in two worker
+    processes: the single-process reference build's bytes. The block-scale search (mse) runs
+    the reference arithmetic whatever the kernel, so it matches too."""
+    from quantize.kernels.fused import _has_cxx
+    from conftest import assert_same_build
+
+    _, src, _, _, stats_dir = llama
+    kernel = "inductor" if _has_cxx() else "reference"
+    for scales, workers in (("rtn", 2), ("mse", 1)):
+        opts = dict(scheme="w4a4", kv_cache="fp8", calibration=stats_dir, scales=scales,
+                    progress=False, device="cpu")
+        convert(src, tmp_path / f"ref-{scales}", kernel="reference", **opts)
+        s = convert(src, tmp_path / f"fast-{scales}", kernel=kernel, workers=workers, **opts)
+        assert s.shards_written == 2
+        assert_same_build(tmp_path / f"ref-{scales}", tmp_path / f"fast-{scales}")

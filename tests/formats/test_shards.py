@@ -119,3 +119,23 @@ def test_written_shard_is_readable_by_others_and_leaves_no_temp(tmp_path):
     write_shard_atomic({"a": torch.ones(2)}, tmp_path / "x.safetensors")
     assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o666 & ~_UMASK
     assert os.listdir(tmp_path) == ["x.safetensors"]
+
+
+def test_shard_digest_from_memory_equals_the_file_digest(tmp_path):
+    """sha256_shard hashes the tensors in memory (only the header is read back) and gives the
+    file's sha256, for mixed dtypes and alignments, a scalar and an empty tensor; with tensors
+    that do not match the file it hashes the file instead."""
+    from formats.shards import sha256_file, sha256_shard, write_shard_atomic
+
+    g = torch.Generator().manual_seed(0)
+    t = {"w.weight_packed": torch.randint(0, 255, (64, 24), generator=g, dtype=torch.uint8),
+         "w.weight_scale": torch.rand(64, 3, generator=g).to(torch.float8_e4m3fn),
+         "w.weight_global_scale": torch.tensor([448.0 * 6 / 0.3]),
+         "norm.weight": torch.rand(33, generator=g).to(torch.bfloat16),
+         "k_scale": torch.tensor(0.5), "empty": torch.zeros(0, 4), "big": torch.rand(7, 5, dtype=torch.float64)}
+    p = tmp_path / "x.safetensors"
+    write_shard_atomic(t, p)
+    assert sha256_shard(p, t) == sha256_file(p)
+    other = dict(t, **{"norm.weight": torch.zeros(34, dtype=torch.bfloat16)})
+    assert sha256_shard(p, other) == sha256_file(p)
+    assert sha256_shard(p, {k: v for k, v in t.items() if k != "empty"}) == sha256_file(p)

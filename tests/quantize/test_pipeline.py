@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BLOCK_FP8_QC, fp8_pair, load_all, write_checkpoint
+from conftest import BLOCK_FP8_QC, fp8_pair, killed_at_write, load_all, write_checkpoint
 from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from quantize.errors import OutputError, SourceError
@@ -253,20 +253,10 @@ def test_interrupted_resume_over_finished_build_leaves_nothing_complete(tmp_path
 def test_resume_reconverts_a_changed_source_shard(tmp_path, tiny_fp8_llama, monkeypatch):
     clean = tmp_path / "clean"
     out = tmp_path / "o"
-    import quantize.pipeline as pl
-    real = pl.write_shard_atomic
-    calls = {"n": 0}
-
-    def dying(tensors, path, metadata=None):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        real(tensors, path, metadata)
-
-    monkeypatch.setattr(pl, "write_shard_atomic", dying)
+    killed_at_write(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_fp8_llama, out, progress=False)
-    monkeypatch.setattr(pl, "write_shard_atomic", real)
+    monkeypatch.undo()
     # shard 1 is re-downloaded with new values of the same shapes (headers unchanged)
     shard1 = tiny_fp8_llama / "model-00001-of-00003.safetensors"
     from safetensors.torch import load_file, save_file
@@ -326,22 +316,12 @@ def test_fc04_resume_after_kill_is_byte_identical(tmp_path, monkeypatch):
     src = moe_checkpoint(tmp_path)
     clean = tmp_path / "clean"
     convert(src, clean, progress=False)
-    import quantize.pipeline as pl
-    real = pl.write_shard_atomic
-    calls = {"n": 0}
-
-    def dying(tensors, path, metadata=None):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt  # killed while converting shard 3
-        real(tensors, path, metadata)
-
-    monkeypatch.setattr(pl, "write_shard_atomic", dying)
+    killed_at_write(monkeypatch, 3)  # killed while converting shard 3
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
         convert(src, out, progress=False)
     assert not (out / INDEX_NAME).exists() and not (out / MANIFEST_NAME).exists()
-    monkeypatch.setattr(pl, "write_shard_atomic", real)
+    monkeypatch.undo()
     summary = convert(src, out, progress=False, resume=True)
     assert summary.shards_skipped == 2 and summary.shards_written == 2
     for p in sorted(clean.iterdir()):

@@ -1,0 +1,332 @@
+"""Fast NVFP4 quantization: FP8 decode -> block scale -> e2m1 codes -> packing in one pass.
+
+Three backends compute the same bytes (tests/quantize/kernels/test_fused.py):
+
+- ``reference``: the plain-PyTorch path, :func:`dequantize_fp8_block` then
+  :func:`quantize_nvfp4` on the float32 weight. It is the specification the others are tested
+  against, and the fallback where no compiler is available.
+- ``inductor`` (CPU): the same arithmetic as four ``torch.compile`` graphs that inductor turns
+  into vectorized C++/OpenMP loops: block amax (when the weight is read), then block scales
+  (on 1/16 of the elements), codes, packing. The weight never exists in float32: each
+  16-element block is decoded from its e4m3 bytes, scaled, reduced and coded in registers.
+- ``triton`` (CUDA): one Triton kernel, :mod:`quantize.kernels.triton_nvfp4`.
+
+How the fast paths stay bit-exact with the reference (every step is an IEEE-754 float32
+operation in the same order, or an exact rewrite of one):
+
+- e4m3 bytes decode exactly by bit manipulation (:func:`decode_e4m3`).
+- Block amax: rounding is monotonic, so ``max_i |fl(x_i * s)| = fl(max_i |x_i| * |s|)``;
+  the fast path reduces the decoded magnitudes and multiplies once per block.
+- Block scales come from the reference's own :func:`nvfp4_block_scale` (compressed-tensors
+  order) or :func:`nvfp4_block_scale_scale2` (nvidia-modelopt order), with 6 passed as a
+  tensor so no compiler rewrites ``/ 6`` as ``* (1/6)``.
+- Codes: :func:`e2m1_codes` rounds ``|q| * 2^k`` half-to-even inside each binade, which is the
+  reference's threshold table (ties to the even code) written with three comparisons instead of
+  seven; the clamp to +-6 is not needed because both saturate at code 7.
+- Packing: four codes are one little-endian int32 ``v``; ``v | v >> 4`` puts ``lo | hi << 4``
+  of each pair in its low byte, and the two pair bytes are gathered into an int16.
+
+Shapes: weight float8_e4m3fn [N, K] with a multiplier scale grid [ceil(N/bh), ceil(K/bw)]
+(DeepSeek-V3 ``weight_scale_inv``; per-tensor, per-channel and per-group FP8 scales are the
+grids of blocks (N, K), (1, K) and (1, g)), K a multiple of 16. Nothing here knows tensor or
+format names.
+"""
+
+import functools
+import os
+import shutil
+import sys
+
+import torch
+
+from quantize.kernels.dtypes import NVFP4_GROUP_SIZE
+from quantize.kernels.fp8 import dequantize_fp8_block
+from quantize.kernels.nvfp4 import (nvfp4_block_scale, nvfp4_block_scale_scale2, quantize_nvfp4,
+                                    quantize_nvfp4_scale2)
+
+__all__ = ["BACKENDS", "MIN_COMPILED_ELEMENTS", "ORDERS", "Prepared", "choose_backend",
+           "decode_e4m3", "e2m1_codes", "prepare_float", "prepare_fp8"]
+
+BACKENDS = ("auto", "reference", "inductor", "triton")
+ORDERS = ("global", "scale_2")
+"""Arithmetic orders: compressed-tensors' (``quantize_nvfp4``, quantize-direction global
+scale) and nvidia-modelopt's (``quantize_nvfp4_scale2``, dequant-direction ``scale_2``)."""
+
+MIN_COMPILED_ELEMENTS = 1 << 20
+"""With ``auto``, smaller weights use the reference: compiling costs seconds once per process,
+more than a small weight takes to quantize."""
+
+_G = NVFP4_GROUP_SIZE
+
+
+# ---- arithmetic shared by the compiled graphs (plain tensor ops, exact) ------------------------
+
+def decode_e4m3(b: torch.Tensor, nan_codes: bool = False) -> torch.Tensor:
+    """float8_e4m3fn byte values (any integer dtype, 0..255) -> float32, exactly.
+
+    Normal codes become float32 bits ``(mag << 20) + (120 << 23)`` (exponent bias 7 -> 127);
+    subnormals (exponent 0) are ``m * 2^-9``. With ``nan_codes``, 0x7F / 0xFF give NaN, else
+    they decode as 480 (callers that have already checked for NaN skip the extra select).
+    """
+    b = b.to(torch.int32)
+    mag = b & 0x7F
+    v = torch.where(mag < 8, mag.to(torch.float32) * 2.0**-9,
+                    ((mag << 20) + (120 << 23)).view(torch.float32))
+    if nan_codes:
+        v = torch.where(mag == 0x7F, float("nan"), v)
+    return torch.where(b >= 0x80, -v, v)
+
+
+def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+    """Round float32 ``q`` (already divided by its scale) to e2m1 codes, uint8 0..15.
+
+    Equal to :func:`quantize.kernels.nvfp4.round_to_e2m1_codes` of ``clamp(q, -6, 6)``: within
+    [0, 2) the e2m1 grid step is 1/2, within [2, 4) 1, from 4 on 2, so the code is
+    ``round_half_even(|q| * 2^k) + base`` per range, saturated at 7; the sign bit is set for
+    every strictly negative q (so -tiny gives code 8, -0.0 gives 0).
+    """
+    a = q.abs()
+    lt2, lt4 = a < 2.0, a < 4.0
+    mult = torch.where(lt2, 2.0, torch.where(lt4, 1.0, 0.5))
+    base = torch.where(lt2, 0.0, torch.where(lt4, 2.0, 4.0))
+    code = torch.clamp(torch.round(a * mult) + base, max=7.0) + torch.where(q < 0, 8.0, 0.0)
+    return code.to(torch.uint8)
+
+
+def _fp8_block_amax(xu: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    # xu uint8 [Nb, bh, Kb, bw/16, 16]; s float32 [Nb, Kb] -> float32 [Nb, bh, Kb, bw/16]
+    return decode_e4m3(xu, nan_codes=True).abs().amax(-1) * s[:, None, :, None].abs()
+
+
+def _block_scales(block_amax, scalar, six, order: str):
+    """(e4m3 block scales, the float32 divisor of each block's weights) in either order.
+
+    A graph of its own, on 1/16 of the elements: fused into the codes loop, the scalar e4m3
+    rounding of each block's scale costs more than the 16 codes it serves."""
+    if order == "scale_2":
+        sf = nvfp4_block_scale_scale2(block_amax, scalar, six)
+        eff = sf * scalar
+    else:
+        sf = nvfp4_block_scale(block_amax, scalar, six)
+        eff = sf / scalar
+    return sf.to(torch.float8_e4m3fn), eff
+
+
+def _fp8_codes(xu, s, eff):
+    # xu uint8 [Nb, bh, Kb, bw/16, 16]; s float32 [Nb, Kb]; eff float32 [Nb, bh, Kb, bw/16]
+    w = decode_e4m3(xu) * s[:, None, :, None, None]
+    return e2m1_codes(w / eff[..., None])
+
+
+def _float_block_amax(x: torch.Tensor) -> torch.Tensor:
+    # x float [M, 16] -> float32 [M]
+    return x.to(torch.float32).abs().amax(-1)
+
+
+def _float_codes(x, eff):
+    return e2m1_codes(x.to(torch.float32) / eff[..., None])
+
+
+def _pack_pairs(c32: torch.Tensor) -> torch.Tensor:
+    # int32 view of codes [..., K/4] (codes c0..c3 in bytes 0..3, little-endian) -> int16
+    # [..., K/4] holding the bytes c0 | c1 << 4 and c2 | c3 << 4: v | v >> 4 puts each odd
+    # code beside the even one below it (int32 lanes vectorize; int16 ones do not).
+    v = c32 | (c32 >> 4)
+    return ((v & 0xFF) | ((v >> 8) & 0xFF00)).to(torch.int16)
+
+
+@functools.cache
+def _compiled(name: str):
+    fn = {"fp8_block_amax": _fp8_block_amax, "block_scales": _block_scales,
+          "fp8_codes": _fp8_codes, "float_block_amax": _float_block_amax,
+          "float_codes": _float_codes, "pack_pairs": _pack_pairs}[name]
+    return torch.compile(fn, dynamic=False)
+
+
+def _run(name: str, *args):
+    """Call a compiled graph with every dimension but the last of its tensors dynamic, so one
+    compilation serves every weight shape (the last, 16-wide dimension is what vectorizes).
+    Non-tensor arguments (the order) are constants of the graph."""
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.ndim >= 1 and t.numel() > 1:
+            for d in range(t.ndim - (1 if t.shape[-1] == _G else 0)):
+                torch._dynamo.maybe_mark_dynamic(t, d)
+    return _compiled(name)(*args)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    return _run("pack_pairs", codes.contiguous().view(torch.int32)).view(torch.uint8).view(n, k // 2)
+
+
+# ---- backend choice --------------------------------------------------------------------------
+
+def _has_cxx() -> bool:
+    return any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++"))
+
+
+@functools.cache
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_backend(requested: str, device: torch.device, numel: int | None = None) -> str:
+    """The backend that quantizes a weight of ``numel`` elements on ``device``.
+
+    ``auto`` picks ``triton`` on CUDA, ``inductor`` on CPU when a C++ compiler is on PATH and
+    the weight has at least :data:`MIN_COMPILED_ELEMENTS` elements, else ``reference``.
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot run on ``device``.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"kernel {requested!r} is not one of {', '.join(BACKENDS)}")
+    cuda = device.type == "cuda"
+    if requested == "auto":
+        if cuda:
+            return "triton" if _has_triton() else "reference"
+        if sys.byteorder == "little" and _has_cxx() and (numel is None or numel >= MIN_COMPILED_ELEMENTS):
+            return "inductor"
+        return "reference"
+    if requested == "triton" and not (cuda and _has_triton()):
+        raise ValueError("kernel 'triton' needs a CUDA device and the triton package")
+    if requested == "inductor" and cuda:
+        raise ValueError("kernel 'inductor' is the CPU path; use 'triton' on CUDA")
+    if requested == "inductor" and sys.byteorder != "little":
+        raise ValueError("kernel 'inductor' packs codes through little-endian int16 views")
+    return requested
+
+
+# ---- prepared weights ------------------------------------------------------------------------
+
+class Prepared:
+    """One weight ready to quantize: ``amax`` (max |w|, 0-dim float32; NaN or inf when the
+    weight holds non-finite values), then ``quantize(scalar)`` ->
+    ``(packed uint8 [N, K/2], block_scale float8_e4m3fn [N, K/16])`` on the CPU, where
+    ``scalar`` is the global scale (order ``global``, float32 [1]) or ``scale_2`` (order
+    ``scale_2``, 0-dim float32) of the tensor or its fused group."""
+
+    amax: torch.Tensor
+    order: str = "global"
+
+    def quantize(self, scalar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _scalar(self, scalar: torch.Tensor) -> torch.Tensor:
+        return scalar.to(torch.float32).reshape(() if self.order == "scale_2" else (1,))
+
+
+class _Reference(Prepared):
+    def __init__(self, w: torch.Tensor, device: torch.device, order: str):
+        self.w = w.to(device=device, dtype=torch.float32)
+        self.amax = self.w.abs().amax()
+        self.order = order
+
+    def quantize(self, scalar):
+        fn = quantize_nvfp4_scale2 if self.order == "scale_2" else quantize_nvfp4
+        p, s = fn(self.w, scalar)
+        return p.cpu(), s.cpu()
+
+
+class _InductorFp8(Prepared):
+    def __init__(self, weight, scale, block, order: str):
+        self.order = order
+        n, k = weight.shape
+        bh, bw = block
+        nb, kb = scale.shape
+        xu = weight.view(torch.uint8)
+        if (nb * bh, kb * bw) != (n, k):  # partial edge blocks: pad with zero bytes (value 0)
+            xu = torch.nn.functional.pad(xu, (0, kb * bw - k, 0, nb * bh - n))
+        self.n, self.k = n, k
+        self.xu = xu.view(nb, bh, kb, bw // _G, _G)
+        self.s = scale.to(torch.float32).contiguous()
+        self.block_amax = _run("fp8_block_amax", self.xu, self.s)
+        self.amax = self.block_amax.amax()
+
+    def quantize(self, scalar):
+        sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), torch.tensor(6.0),
+                       self.order)
+        codes = _run("fp8_codes", self.xu, self.s, eff)
+        nb, bh, kb, bg, _ = self.xu.shape
+        codes = codes.view(nb * bh, kb * bg * _G)[: self.n, : self.k]
+        sf = sf.view(nb * bh, kb * bg)[: self.n, : self.k // _G]
+        return _pack(codes), sf.contiguous()
+
+
+class _InductorFloat(Prepared):
+    def __init__(self, w, order: str):
+        self.order = order
+        self.n, self.k = w.shape
+        self.x = w.contiguous().view(-1, _G)
+        self.block_amax = _run("float_block_amax", self.x)
+        self.amax = self.block_amax.amax()
+
+    def quantize(self, scalar):
+        sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), torch.tensor(6.0),
+                       self.order)
+        codes = _run("float_codes", self.x, eff)
+        return _pack(codes.view(self.n, self.k)), sf.view(self.n, self.k // _G)
+
+
+def _check(shape, k_groups_ok: bool = True) -> None:
+    if len(shape) != 2 or shape[1] % _G or not k_groups_ok:
+        raise ValueError(f"NVFP4 needs a 2-D weight with K a multiple of {_G}, got {tuple(shape)}")
+
+
+def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                backend: str = "reference", device: torch.device | str = "cpu",
+                order: str = "global") -> Prepared:
+    """Prepare a block-scaled FP8 weight for NVFP4 quantization.
+
+    Args:
+        weight: float8_e4m3fn [N, K], K a multiple of 16 (CPU).
+        scale: float32/bfloat16 [ceil(N/bh), ceil(K/bw)], multiplier direction.
+        block: (bh, bw). The fast paths need bw to be a multiple of 16 (so no NVFP4 block
+            straddles two FP8 scale blocks) and use the reference otherwise.
+        backend: a name from :func:`choose_backend` (not ``auto``).
+        device: where the reference and triton backends compute.
+        order: an arithmetic order from :data:`ORDERS`; Triton implements ``global`` and
+            uses the reference on the device for ``scale_2``.
+
+    Returns:
+        :class:`Prepared`; its bytes equal the reference's for every backend.
+
+    Raises:
+        ValueError: K not a multiple of 16, or a scale grid that does not match the weight.
+    """
+    _check(weight.shape)
+    bh, bw = block
+    n, k = weight.shape
+    want = (-(-n // bh), -(-k // bw))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight {n}x{k} with "
+                         f"block {bh}x{bw} (expected {want[0]}x{want[1]})")
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r} is not one of {', '.join(ORDERS)}")
+    if backend == "inductor" and bw % _G == 0:
+        return _InductorFp8(weight, scale, block, order)
+    if backend == "triton" and bw % _G == 0 and order == "global":
+        from quantize.kernels.triton_nvfp4 import TritonFp8
+
+        return TritonFp8(weight, scale, block, torch.device(device))
+    dev = torch.device(device)
+    return _Reference(dequantize_fp8_block(weight.to(dev), scale.to(dev), block), dev, order)
+
+
+def prepare_float(w: torch.Tensor, backend: str = "reference",
+                  device: torch.device | str = "cpu", order: str = "global") -> Prepared:
+    """Prepare a float weight (bf16 / fp16 / fp32 [N, K], K a multiple of 16) for NVFP4.
+
+    Same contract as :func:`prepare_fp8`; ``triton`` uses the reference on ``device`` (a dense
+    source moves 2-4 bytes per weight, so the read, not the arithmetic, bounds it).
+    """
+    _check(w.shape)
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r} is not one of {', '.join(ORDERS)}")
+    if backend == "inductor":
+        return _InductorFloat(w, order)
+    return _Reference(w, torch.device(device), order)

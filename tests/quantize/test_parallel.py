@@ -1,0 +1,128 @@
+"""Fast kernels, worker processes and torchrun ranks all write the single-process build's bytes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from formats.checkpoint import INDEX_NAME
+from quantize.errors import SourceError
+from quantize.kernels.fused import _has_cxx, _has_triton
+from quantize.manifest import MANIFEST_NAME
+from quantize.parallel import assign_shards
+from quantize.pipeline import convert
+from conftest import assert_same_build, killed_at_write
+from test_pipeline import moe_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("par")
+    src = moe_checkpoint(tmp)
+    clean = tmp / "clean"
+    convert(src, clean, progress=False, device="cpu", kernel="reference")
+    return src, clean
+
+
+def test_assign_shards_balanced_and_complete():
+    sizes = {"a": 100, "b": 90, "c": 50, "d": 40, "e": 10}
+    ranks = assign_shards(sizes, 2)
+    assert ranks == [["a", "d", "e"], ["b", "c"]]  # 150 / 140
+    assert sorted(sum(ranks, [])) == sorted(sizes)
+    assert assign_shards(sizes, 1) == [sorted(sizes)]
+    assert assign_shards({"a": 1}, 3) == [["a"], [], []]
+
+
+@pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")
+def test_inductor_build_is_the_reference_build(moe, tmp_path):
+    src, clean = moe
+    convert(src, tmp_path / "fast", progress=False, device="cpu", kernel="inductor")
+    assert_same_build(clean, tmp_path / "fast")
+    # ModelOpt's arithmetic order (scale_2) through the same compiled graphs
+    for kernel in ("reference", "inductor"):
+        convert(src, tmp_path / f"mo-{kernel}", progress=False, device="cpu", kernel=kernel,
+                fmt="modelopt")
+    assert_same_build(tmp_path / "mo-reference", tmp_path / "mo-inductor")
+
+
+def test_two_workers_write_the_single_process_build(moe, tmp_path):
+    src, clean = moe
+    s = convert(src, tmp_path / "w2", progress=False, device="cpu", kernel="reference", workers=2)
+    assert s.shards_written == 4 and s.shards_skipped == 0
+    assert s.elements_quantized > 0 and s.tensors_by_target["nvfp4"] > 0
+    assert_same_build(clean, tmp_path / "w2")
+
+
+def test_torchrun_gloo_two_ranks_write_the_single_process_build(moe, tmp_path):
+    src, clean = moe
+    out = tmp_path / "tr"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", "-m", "quantize.cli", "nvfp4", "--src", str(src),
+                        "--out", str(out), "--device", "cpu", "--kernel", "reference", "--quiet"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("wrote ") == 1  # rank 0 reports, rank 1 stays quiet
+    assert_same_build(clean, out)
+
+
+def test_failed_rank_stops_all_then_resume_with_other_rank_count(moe, tmp_path):
+    """A NaN in one source shard stops the rank converting it; every rank raises, the shards
+    finished by then stay in the per-rank ledgers, and once the shard is repaired a resume with
+    one process reads those ledgers and completes the identical build (re-converting what
+    depended on the repaired shard: here every shard, as weights and scales are spread)."""
+    src, clean = moe
+    bad = tmp_path / "src"
+    shutil.copytree(src, bad)
+    shard = bad / "model-00003-of-00004.safetensors"
+    original = shard.read_bytes()
+    t = load_file(str(shard))
+    name = "model.layers.2.shared_head.norm.weight"  # a kept bf16 tensor of that shard
+    t[name] = t[name].clone()
+    t[name][0] = float("nan")
+    save_file(t, str(shard))
+    out = tmp_path / "o"
+    with pytest.raises(SourceError, match=f"{name} in shard model-00003-of-00004.safetensors has 1 NaN"):
+        convert(bad, out, progress=False, device="cpu", kernel="reference", workers=2)
+    ledgers = sorted(p.name for p in out.glob(".spark-quant-progress*"))
+    assert ledgers == [".spark-quant-progress.rank0.json", ".spark-quant-progress.rank1.json"]
+    done = {}
+    for p in ledgers:
+        done.update(json.loads((out / p).read_text())["shards"])
+    assert shard.name not in done and len(done) >= 1
+    assert not (out / INDEX_NAME).exists() and not (out / MANIFEST_NAME).exists()
+    shard.write_bytes(original)
+    s = convert(bad, out, progress=False, device="cpu", kernel="reference", resume=True)
+    assert s.shards_skipped + s.shards_written == 4
+    assert not list(out.glob(".spark-quant-progress*"))
+    assert_same_build(clean, out, same_source=False)
+
+
+def test_single_process_ledger_resumed_by_two_workers(moe, tmp_path, monkeypatch):
+    src, clean = moe
+    killed_at_write(monkeypatch, 3)
+    out = tmp_path / "o"
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, out, progress=False, device="cpu", kernel="reference")
+    monkeypatch.undo()
+    s = convert(src, out, progress=False, device="cpu", kernel="reference", resume=True, workers=2)
+    assert s.shards_skipped == 2 and s.shards_written == 2
+    assert not list(out.glob(".spark-quant-progress*"))
+    assert_same_build(clean, out)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and _has_triton()),
+                    reason="needs a CUDA device and triton")
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+def test_cuda_build_is_the_cpu_reference_build(moe, tmp_path, kernel):
+    src, clean = moe
+    convert(src, tmp_path / kernel, progress=False, device="cuda", kernel=kernel)
+    assert_same_build(clean, tmp_path / kernel)
