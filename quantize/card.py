@@ -151,7 +151,7 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
         extra.update(eval_results=results, model_name=repo_id.split("/")[-1])
     data = ModelCardData(base_model=base, license=lic, tags=tags, library_name="transformers",
                          pipeline_tag="text-generation", base_model_relation="quantized", **extra)
-    passed, verdict = read_gate(info["report"])
+    _, verdict = read_gate(info["report"])
     summary = man.get("summary", {})
     files = man.get("files", {})
     plan = info["plan"] or {}
