@@ -4,30 +4,95 @@ Every check is a record ``{"name", "value", "op", "limit", "passed", "severity",
 "detail"}``: ``value op limit`` must hold; ``by`` is how far past the limit a failed value
 is (positive, in the value's unit). A check of severity ``fail`` that does not pass fails
 the gate; ``warn`` is reported only.
+
+A gate that passed is a *release* gate only when its run covered what a release claims
+(:func:`release_scope`): it finished, every problem was scored (no ``--limit``), a baseline
+was compared, and the default suites ran. ``quantize upload`` refuses anything else
+without ``--force``.
 """
 
 import hashlib
 import tomllib
 from pathlib import Path
 
-__all__ = ["DEFAULT_THRESHOLDS", "load_thresholds", "gate_checks", "gate_passed"]
+__all__ = ["DEFAULT_THRESHOLDS", "RELEASE_SUITES", "load_thresholds", "gate_checks", "gate_passed",
+           "release_scope", "skipped_without_baseline", "degenerate_text"]
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds") / "v1.toml"
+SEVERITIES = ("fail", "warn")
+RELEASE_SUITES = {"in-process": ("kl", "gsm8k", "passkey"), "endpoint": ("gsm8k", "passkey")}
+"""Suites a release gate must have run, by how the build was reached (``kl`` needs logits)."""
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    return type(value).__name__
 
 
 def load_thresholds(path: str | Path | None = None) -> dict:
-    """Parse a thresholds TOML; adds ``_file`` and ``_sha256`` for the report.
+    """Parse and check a thresholds TOML; adds ``_file``, ``_sha256`` and ``_defaulted``.
+
+    Every section and key must be one that ``v1.toml`` has, with a value of the same kind
+    (a number for bounds, ``"fail"`` / ``"warn"`` for ``*severity``). A key the file leaves
+    out takes v1's value; those keys are listed in ``_defaulted`` (``"kl.max_mean_kl"``) and
+    recorded in the report, so a partial file is a stated override, never a crash after the
+    run.
 
     Raises:
-        ValueError: no integer ``version`` key.
+        ValueError: the file is missing or not valid TOML, has no integer ``version``, or a
+            section / key is unknown or of the wrong type (the message names file and key).
     """
     p = Path(path) if path else DEFAULT_THRESHOLDS
-    raw = p.read_bytes()
-    t = tomllib.loads(raw.decode("utf-8"))
-    if not isinstance(t.get("version"), int):
-        raise ValueError(f"{p}: thresholds file needs an integer 'version'")
-    t["_file"], t["_sha256"] = str(p), hashlib.sha256(raw).hexdigest()
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"thresholds file {p}: cannot read it ({e.strerror or e})") from None
+    try:
+        t = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"thresholds file {p}: not valid TOML ({e})") from None
+    if not isinstance(t.get("version"), int) or isinstance(t.get("version"), bool):
+        raise ValueError(f"thresholds file {p}: needs an integer 'version'")
+    defaulted = []
+    if p.resolve() != DEFAULT_THRESHOLDS.resolve():
+        ref = load_thresholds()
+        for sec in t:
+            if sec != "version" and sec not in ref:
+                raise ValueError(f"thresholds file {p}: unknown section [{sec}] (known: "
+                                 f"{', '.join(k for k in ref if k != 'version' and not k.startswith('_'))})")
+        for sec, keys in ref.items():
+            if sec == "version" or sec.startswith("_"):
+                continue
+            got = t.setdefault(sec, {})
+            if not isinstance(got, dict):
+                raise ValueError(f"thresholds file {p}: '{sec}' must be a table [{sec}]")
+            for key in got:
+                if key not in keys:
+                    raise ValueError(f"thresholds file {p}: unknown key {sec}.{key} (known: "
+                                     f"{', '.join(keys)})")
+            for key, default in keys.items():
+                if key not in got:
+                    got[key] = default
+                    defaulted.append(f"{sec}.{key}")
+                elif _kind(got[key]) != _kind(default):
+                    raise ValueError(f"thresholds file {p}: {sec}.{key} must be a {_kind(default)}, "
+                                     f"got {got[key]!r}")
+    for sec, keys in t.items():
+        for key, value in (keys.items() if isinstance(keys, dict) else ()):
+            if key.endswith("severity") and value not in SEVERITIES:
+                raise ValueError(f"thresholds file {p}: {sec}.{key} must be 'fail' or 'warn', "
+                                 f"got {value!r}")
+    t["_file"], t["_sha256"], t["_defaulted"] = str(p), hashlib.sha256(raw).hexdigest(), defaulted
     return t
+
+
+def degenerate_text(d: dict) -> str:
+    """``3 of 9 completions degenerate (repeat 2, control 1)`` for a degenerate summary."""
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(d["reasons"].items()))
+    return f"{d['degenerate']} of {d['n']} completions degenerate" + (f" ({reasons})" if reasons else "")
 
 
 def _check(name, value, op, limit, severity, detail=""):
@@ -89,8 +154,7 @@ def gate_checks(suites: dict, t: dict) -> list[dict]:
         if "degenerate" in r:
             checks.append(_check(f"kv_parity.{d}.degenerate.rate", r["degenerate"]["rate"], "<=",
                                  t["degenerate"]["max_rate"], tk[f"{d}_severity"],
-                                 f"{r['degenerate']['degenerate']}/{r['degenerate']['n']} completions "
-                                 f"{r['degenerate']['reasons']}"))
+                                 degenerate_text(r["degenerate"])))
         if "passkey" in r and "passkey" in kv.get("bf16", {}):
             checks.append(_check(f"kv_parity.{d}.passkey.drop",
                                  kv["bf16"]["passkey"]["mean"] - r["passkey"]["mean"], "<=",
@@ -99,8 +163,7 @@ def gate_checks(suites: dict, t: dict) -> list[dict]:
     if dg and dg["build"]["n"]:
         td = t["degenerate"]
         checks.append(_check("degenerate.rate", dg["build"]["rate"], "<=", td["max_rate"],
-                             td["severity"], f"{dg['build']['degenerate']}/{dg['build']['n']} "
-                             f"completions {dg['build']['reasons']}"))
+                             td["severity"], degenerate_text(dg["build"])))
         if dg.get("baseline") and dg["baseline"]["n"]:
             checks.append(_check("degenerate.increase", dg["build"]["rate"] - dg["baseline"]["rate"],
                                  "<=", td["max_increase"], td["severity"],
@@ -111,3 +174,41 @@ def gate_checks(suites: dict, t: dict) -> list[dict]:
 def gate_passed(checks: list[dict]) -> bool:
     """True when no ``fail``-severity check failed."""
     return all(c["passed"] for c in checks if c["severity"] == "fail")
+
+
+_NEEDS_BASELINE = {"kl": ["kl.*"], "gsm8k": ["gsm8k.flexible-extract.drop", "gsm8k.strict-match.drop"],
+                   "mc": ["mc.acc.drop"], "passkey": ["passkey.mean.drop"],
+                   "degenerate": ["degenerate.increase"]}
+
+
+def skipped_without_baseline(suites: dict) -> list[str]:
+    """Checks a run without a baseline could not make, for the suites in ``suites``."""
+    return [c for s, names in _NEEDS_BASELINE.items() if s in suites for c in names]
+
+
+def release_scope(requested: list[str], done: list[str], limit: int | None, baseline: str | None,
+                  backend: str) -> dict:
+    """Whether a run is wide enough for its gate to stand for a release.
+
+    Args:
+        requested: suites asked for; done: suites finished (``kv-parity`` spelled so).
+        limit: ``--limit`` (None = every problem). baseline: what the build was compared to.
+        backend: ``"in-process"`` or ``"endpoint"`` (picks :data:`RELEASE_SUITES`).
+
+    Returns:
+        ``{"release": bool, "not_release": [why, ...]}``; ``release`` is True when
+        ``not_release`` is empty.
+    """
+    why = []
+    if limit is not None:
+        why.append(f"--limit {limit}: only the first {limit} problems of each set were scored")
+    if baseline is None:
+        why.append("no baseline: no accuracy drop could be measured")
+    missing = [s for s in RELEASE_SUITES[backend] if s not in requested]
+    if missing:
+        why.append(f"suite(s) {', '.join(missing)} not run (a release gate runs "
+                   f"{', '.join(RELEASE_SUITES[backend])})")
+    left = [s for s in requested if s not in done]
+    if left:
+        why.append(f"the evaluation did not finish ({', '.join(left)} not done)")
+    return {"release": not why, "not_release": why}

@@ -84,7 +84,8 @@ def teacher_forced_kl(ref_model, test_model, tokenizer, texts: list[str],
     for ids in token_windows(tokenizer, texts, max_tokens, window):
         lr, lt = _logits(ref_model, ids, ref_cache), _logits(test_model, ids, test_cache)
         if lr.shape != lt.shape:
-            raise ValueError(f"vocabulary sizes differ: ref {lr.shape[-1]}, test {lt.shape[-1]}")
+            raise ValueError(f"vocabulary sizes differ: baseline {lr.shape[-1]} logits, "
+                             f"build {lt.shape[-1]}; compare a build with its own source")
         target = ids[0, 1:].unsqueeze(-1)
         kl_sum += float((lr.exp() * (lr - lt)).sum())
         agree += int((lr.argmax(-1) == lt.argmax(-1)).sum())

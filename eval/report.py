@@ -4,7 +4,13 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["write_report", "render_markdown", "gate_lines", "gate_reason", "card_results"]
+from eval.gate import degenerate_text
+
+__all__ = ["write_report", "render_markdown", "gate_lines", "gate_reason", "card_results",
+           "scope_text", "SMALL_SAMPLE"]
+
+SMALL_SAMPLE = 30
+"""Below this many problems a GSM8K / ARC accuracy is too noisy to judge a build by."""
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -17,22 +23,50 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f} %"
 
 
+def _num(x) -> str:
+    """4 significant digits; -0 shown as 0."""
+    return f"{x + 0.0:.4g}" if isinstance(x, float) else str(x)
+
+
 def gate_lines(report: dict) -> list[str]:
     """One line per failed check, naming the check and how far past its limit it is."""
     out = []
     for c in report["gate"]["checks"]:
         if not c["passed"]:
-            out.append(f"{c['severity'].upper()} {c['name']}: {c['value']:.4g} (limit {c['op']} "
-                       f"{c['limit']:.4g}, off by {c['by']:.4g}) {c['detail']}".rstrip())
+            out.append(f"{c['severity'].upper()} {c['name']}: {_num(c['value'])} (limit {c['op']} "
+                       f"{_num(c['limit'])}, off by {_num(c['by'])}) {c['detail']}".rstrip())
     return out
 
 
-def gate_reason(checks: list[dict], complete: bool) -> str:
-    """The gate verdict in one line, as ``quantize upload`` quotes it (``quantize.card.read_gate``)."""
+def _incomplete(scope: dict | None) -> str:
+    if not scope:
+        return "incomplete: the evaluation did not finish"
+    left = [s for s in scope["suites"] if s not in scope["suites_done"]]
+    return (f"incomplete: the evaluation did not finish (suites done: "
+            f"{', '.join(scope['suites_done']) or 'none'}; not done: {', '.join(left)})")
+
+
+def gate_reason(checks: list[dict], complete: bool, scope: dict | None = None) -> str:
+    """The gate verdict in one line, as ``quantize upload`` quotes it (``quantize.card.read_gate``):
+    the failed checks of severity ``fail``, else why the run is incomplete, else
+    ``all checks within thresholds``."""
     failed = [c for c in checks if not c["passed"] and c["severity"] == "fail"]
     if failed:
-        return "; ".join(f"{c['name']} {c['value']:.4g} (limit {c['op']} {c['limit']:.4g})" for c in failed)
-    return "all checks within thresholds" if complete else "evaluation did not finish"
+        return "; ".join(f"{c['name']} {_num(c['value'])} (limit {c['op']} {_num(c['limit'])})" for c in failed)
+    return "all checks within thresholds" if complete else _incomplete(scope)
+
+
+_SUITE_NAMES = {"kl": "KL", "gsm8k": "GSM8K", "mc": "ARC-Challenge", "passkey": "passkey"}
+
+
+def scope_text(scope: dict) -> str:
+    """One line: suites, what each number rests on, limit, baseline (card and report.md)."""
+    n = ", ".join(f"{_SUITE_NAMES.get(k, k)} {v['n']} {v['unit']}" for k, v in scope["n"].items())
+    parts = [f"suites {', '.join(scope['suites'])}" + (f" ({n})" if n else ""),
+             f"first {scope['limit']} problems only (--limit)" if scope["limit"] is not None
+             else "every problem of each set",
+             f"baseline `{scope['baseline']}`" if scope["baseline"] else "no baseline"]
+    return "; ".join(parts)
 
 
 _CARD_DATASETS = {
@@ -43,10 +77,11 @@ _CARD_DATASETS = {
 }
 
 
-def card_results(suites: dict) -> dict:
+def card_results(suites: dict, limit: int | None = None) -> dict:
     """The build's headline numbers per task, ``{task: {metric: value, "dataset": {...}}}``, the
     shape ``quantize.card`` turns into the model card's ``model-index`` (huggingface_hub
-    ``EvalResult``). GSM8K metric names follow lm-eval (``exact_match,strict-match``)."""
+    ``EvalResult``). GSM8K metric names follow lm-eval (``exact_match,strict-match``). With a
+    ``limit`` the split says so in the Hub's slice syntax (``test[:5]``)."""
     out = {}
     if "kl" in suites:
         k = suites["kl"]
@@ -61,7 +96,9 @@ def card_results(suites: dict) -> dict:
     if b:
         out["passkey"] = {"mean_accuracy": b["mean"], "max_length_all_depths_100": b["max_length_all_depths_100"]}
     for task, metrics in out.items():
-        metrics["dataset"] = _CARD_DATASETS[task]
+        metrics["dataset"] = dict(_CARD_DATASETS[task])
+        if limit is not None and "split" in metrics["dataset"]:
+            metrics["dataset"]["split"] += f"[:{limit}]"
     return out
 
 
@@ -69,16 +106,35 @@ def render_markdown(r: dict) -> str:
     """Human summary of a report dict."""
     s = r["suites"]
     g = r["gate"]
+    scope = r.get("scope")
+    verdict = "PASSED" if g["passed"] else "FAILED"
     lines = [f"# Evaluation of `{Path(r['build']['path']).name}`", "",
-             f"**Gate: {'PASSED' if g['passed'] else 'FAILED'}** "
-             f"(thresholds v{r['thresholds']['version']}, `{Path(r['thresholds']['file']).name}`)", ""]
+             f"**Gate: {verdict}** (thresholds v{r['thresholds']['version']}, "
+             f"`{Path(r['thresholds']['file']).name}`)", ""]
+    if not r.get("complete", True):
+        lines += [f"**{_incomplete(scope)}.** The checks below cover only the finished suites.", ""]
+    elif not g["passed"]:
+        lines += [f"Failed: {g['reason']}.", ""]
+    if scope:
+        lines += [f"Scope: {scope_text(scope)}.", ""]
+        if g["passed"]:
+            lines += ["Release gate: yes." if g.get("release") else
+                      "**Not a release gate** (`quantize upload` refuses it without --force): "
+                      + "; ".join(scope["not_release"]) + ".", ""]
+    for w in r.get("warnings", []):
+        lines += [f"**Warning:** {w}.", ""]
+    if g.get("skipped"):
+        lines += ["No baseline: these comparisons were skipped: " + ", ".join(g["skipped"]) + ".", ""]
+    if r["thresholds"].get("defaulted"):
+        lines += [f"Thresholds not in `{Path(r['thresholds']['file']).name}`, taken from v1: "
+                  + ", ".join(r["thresholds"]["defaulted"]) + ".", ""]
     if r["baseline"]:
         lines += [f"Baseline: `{r['baseline']['path']}`"]
     lines += [f"Backend: {r['backend']['build']} on {r['backend']['device_name']}; "
               f"build manifest sha256 `{(r['build']['manifest_sha256'] or 'none')[:16]}`", ""]
     lines += ["## Checks", "", "| check | value | limit | severity | result |", "|---|---|---|---|---|"]
     for c in g["checks"]:
-        lines.append(f"| {c['name']} | {c['value']:.4g} | {c['op']} {c['limit']:.4g} | {c['severity']} | "
+        lines.append(f"| {c['name']} | {_num(c['value'])} | {c['op']} {_num(c['limit'])} | {c['severity']} | "
                      f"{'pass' if c['passed'] else 'FAIL'} |")
     if "kl" in s:
         k = s["kl"]
@@ -93,6 +149,10 @@ def render_markdown(r: dict) -> str:
             if name in gs:
                 lines.append(f"| {name} | {gs[name]['n']} | {_pct(gs[name]['strict-match']['acc'])} | "
                              f"{_pct(gs[name]['flexible-extract']['acc'])} |")
+        n = gs["build"]["n"]
+        if n < SMALL_SAMPLE:
+            lines.append(f"\nNote: {n} problems are too few to judge accuracy by (a paired difference "
+                         f"needs hundreds); run without --limit for a verdict on the build.")
         for f, p in gs.get("paired", {}).items():
             lines.append(f"\n{f}: paired delta {100 * p['delta']:+.2f} pt (95 % CI "
                          f"{100 * p['ci95'][0]:+.2f} .. {100 * p['ci95'][1]:+.2f}), only baseline "
@@ -109,9 +169,10 @@ def render_markdown(r: dict) -> str:
         for name in ("baseline", "build"):
             if name in p:
                 q = p[name]
+                w = q["worst_cell"]
                 lines.append(f"- {name}: mean {_pct(q['mean'])}, largest length at 100 % over all depths "
-                             f"{q['max_length_all_depths_100']}, worst cell {q['worst_cell']} "
-                             f"(![{name}]({q['heatmap']}))")
+                             f"{q['max_length_all_depths_100']}, worst cell {_pct(w['acc'])} at "
+                             f"{w['length']} tokens, depth {w['depth']} % (![{name}]({q['heatmap']}))")
     if "kv_parity" in s:
         kv = s["kv_parity"]
         lines += ["", "## KV-cache dtype parity (build)", "", f"record: {json.dumps(kv['record'])}", "",
@@ -128,8 +189,10 @@ def render_markdown(r: dict) -> str:
     if "degenerate" in s:
         lines += ["", "## Degenerate outputs", ""]
         for name, d in s["degenerate"].items():
-            lines.append(f"- {name}: {d['degenerate']}/{d['n']} ({_pct(d['rate'])}) {d['reasons']} "
-                         f"{d['examples']}")
+            ex = "; examples: " + ", ".join("`" + e.replace("`", "'") + "`" for e in d["examples"]) if d["examples"] else ""
+            lines.append(f"- {name}: {degenerate_text(d)}, {_pct(d['rate'])}{ex}")
+    if r.get("files"):
+        lines += ["", "## Files", "", ", ".join(f"`{f}`" for f in r["files"])]
     lines += ["", "## Provenance", "", "```json",
               json.dumps({k: r[k] for k in ("versions", "seeds", "data", "thresholds", "timings_s")}, indent=1),
               "```", ""]

@@ -18,21 +18,35 @@ OpenAI-compatible ``endpoint`` (vLLM, SGLang, ``transformers serve``) with lm-ev
 ``local-chat-completions`` / ``local-completions`` clients.
 
 Files written to ``out`` (default ``BUILD/eval``): ``report.json``, ``report.md``,
-``gsm8k_samples.jsonl``, ``passkey_records.jsonl``, ``passkey_*.png``, ``tasks/*.yaml``.
+``gsm8k_samples.jsonl``, ``passkey_records.jsonl``, ``passkey_*.png``, ``tasks/*.yaml``
+(:data:`ARTIFACTS`). A run first removes those a previous run left in ``out`` (nothing else),
+so the folder holds exactly the files its report lists (``report["files"]``), and
+``quantize upload`` never publishes samples of another run.
+
+Everything that can be checked without a model is checked before anything is written or
+loaded: options, the BUILD / baseline folders, the thresholds file, passkey lengths against
+the model's context, the endpoints.
 """
 
 import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["SUITES", "EvalOptions", "run_eval"]
+__all__ = ["SUITES", "ARTIFACTS", "EvalOptions", "Preflight", "preflight", "run_eval"]
 
 SUITES = ("kl", "gsm8k", "mc", "passkey", "kv-parity")
 IN_PROCESS_ONLY = ("kl", "mc", "kv-parity")
+KV_DTYPES = ("bf16", "fp8", "nvfp4")
+ARTIFACTS = ("report.json", "report.md", "gsm8k_samples.jsonl", "passkey_records.jsonl",
+             "passkey_*.png", "tasks/spark_gsm8k.yaml", "tasks/spark_arc_challenge.yaml")
+"""Files (globs, relative to the report folder) a run writes; the only ones a run removes."""
+PASSKEY_ANSWER_TOKENS = 10
+"""Tokens generated per passkey prompt (:func:`eval.passkey.run_passkey`)."""
 
 
 @dataclass
@@ -63,6 +77,37 @@ class EvalOptions:
     K/V over the KL text (fp8 amax/448, nvfp4 amax/2688)."""
     kv_gsm8k_limit: int = 50
     cache_dir: str | None = None
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError, naming the option as its ``quantize eval`` flag, for a setting out
+        of range: no or unknown suite, counts below their minimum, passkey lengths < 1, depths
+        outside 0..100, an unknown KV dtype."""
+        if not self.suites:
+            raise ValueError(f"no suite given (--suite); choose one or more of {', '.join(SUITES)}")
+        bad = [s for s in self.suites if s not in SUITES]
+        if bad:
+            raise ValueError(f"unknown suite(s) {', '.join(map(repr, bad))} (--suite); choose from "
+                             f"{', '.join(SUITES)}")
+        for flag, value, low in (("--limit", self.limit, 1), ("--batch-size", self.batch_size, 1),
+                                 ("--max-gen-toks", self.max_gen_toks, 1),
+                                 ("--kl-tokens", self.kl_tokens, 2), ("kl_window", self.kl_window, 2),
+                                 ("--passkey-trials", self.passkey_trials, 1),
+                                 ("--kv-gsm8k-limit", self.kv_gsm8k_limit, 0)):
+            if value is None and flag == "--limit":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+        if self.passkey_lengths is not None and (not self.passkey_lengths
+                                                 or any(n < 1 for n in self.passkey_lengths)):
+            raise ValueError(f"--passkey-lengths must be token counts >= 1, got {self.passkey_lengths}")
+        if not self.passkey_depths or any(not 0 <= d <= 100 for d in self.passkey_depths):
+            raise ValueError(f"--passkey-depths must be percentages 0..100, got {self.passkey_depths}")
+        bad = [d for d in self.kv_dtypes if d not in KV_DTYPES]
+        if bad or not self.kv_dtypes:
+            raise ValueError(f"--kv-dtypes: unknown {bad or 'empty list'}; choose from {', '.join(KV_DTYPES)}")
 
 
 def _sha256_file(path: Path) -> str | None:
@@ -105,26 +150,82 @@ def _resolve_device(device: str) -> str:
 
 
 def _served_model(url: str) -> str:
-    """First model id listed by ``GET {url}/v1/models``."""
+    """First model id listed by ``GET {url}/v1/models``.
+
+    Raises:
+        OSError: the server cannot be reached or lists no model (the message names the URL).
+    """
+    import urllib.error
     import urllib.request
 
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    with urllib.request.urlopen(f"{base}/models", timeout=30) as r:
-        data = json.loads(r.read())
-    return data["data"][0]["id"]
+    try:
+        with urllib.request.urlopen(f"{base}/models", timeout=30) as r:
+            data = json.loads(r.read())
+        return data["data"][0]["id"]
+    except urllib.error.URLError as e:
+        raise OSError(f"endpoint {url}: cannot reach {base}/models ({getattr(e, 'reason', e)}); "
+                      "is the server running?") from None
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise OSError(f"endpoint {url}: {base}/models did not list a model ({e})") from None
+
+
+def _text_config(cfg: dict) -> dict:
+    return cfg.get("text_config") or cfg
 
 
 def _passkey_lengths(model_config: dict, opts: EvalOptions) -> list[int]:
+    """``opts.passkey_lengths``, or 1k, 2k, 4k, ... up to the context (at most 32k).
+
+    Raises:
+        ValueError: a length plus the answer does not fit the model's context
+            (``max_position_embeddings``), or the context is below 1024 with no lengths given.
+    """
+    ctx = _text_config(model_config).get("max_position_embeddings")
     if opts.passkey_lengths:
+        room = int(ctx) - PASSKEY_ANSWER_TOKENS if ctx else None
+        over = [n for n in opts.passkey_lengths if room is not None and n > room]
+        if over:
+            raise ValueError(f"--passkey-lengths {','.join(map(str, over))}: beyond the model's context "
+                             f"(max_position_embeddings {ctx} in config.json leaves prompts of at most "
+                             f"{room} tokens, {PASSKEY_ANSWER_TOKENS} going to the answer)")
         return list(opts.passkey_lengths)
-    cfg = model_config.get("text_config") or model_config
-    ctx = min(int(cfg.get("max_position_embeddings") or 4096), 32768)
+    ctx = min(int(ctx or 4096), 32768)
     out, n = [], 1024
     while n <= ctx:
         out.append(n if n < ctx else n - 64)  # leave room for the answer at the full context
         n *= 2
+    if not out:
+        raise ValueError(f"the model's context ({ctx} tokens) is below the default passkey lengths "
+                         "(1024 and up); give --passkey-lengths")
     return out
+
+
+def _model_folder(path: str | Path, what: str) -> Path:
+    """``path`` as a Path when it is a folder with a ``config.json``, else ValueError."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"{what} {p}: no such folder")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{what} {p}: not a model folder (no config.json)")
+    return p
+
+
+def _artifacts(out: Path) -> list[Path]:
+    """The files of :data:`ARTIFACTS` present in ``out``, plus temp files of an interrupted write."""
+    found = {f for pattern in ARTIFACTS for f in out.glob(pattern) if f.is_file()}
+    found |= {f for d in (out, out / "tasks") for f in d.glob(".*.tmp") if f.is_file()}
+    return sorted(found)
+
+
+def _clear_previous(out: Path) -> None:
+    """Remove what an earlier run wrote into ``out`` (only :data:`ARTIFACTS`)."""
+    for f in _artifacts(out):
+        f.unlink()
+    tasks = out / "tasks"
+    if tasks.is_dir() and not any(tasks.iterdir()):
+        tasks.rmdir()
 
 
 def _mc_items(samples: list[dict]) -> list[dict]:
@@ -170,6 +271,65 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class Preflight:
+    """What :func:`preflight` checked and read."""
+
+    build: Path
+    baseline: Path | None
+    config: dict
+    """The build's ``config.json``."""
+    thresholds: dict
+    lengths: list[int]
+    """Passkey prompt lengths ([] when no passkey suite runs)."""
+    warnings: list[str]
+    build_model: str | None
+    baseline_model: str | None
+    """Model ids on ``--endpoint`` / ``--baseline-endpoint`` (None in process)."""
+
+
+def preflight(build: str | Path, baseline: str | Path | None, opts: EvalOptions,
+              baseline_endpoint: str | None = None) -> Preflight:
+    """Everything :func:`run_eval` can check without loading a model or writing a file.
+
+    Raises:
+        ValueError / OSError: as listed in :func:`run_eval`.
+    """
+    from eval.gate import load_thresholds
+    from quantize.manifest import MANIFEST_NAME
+
+    opts.check()
+    suites = list(opts.suites)
+    build = _model_folder(build, "BUILD")
+    base = _model_folder(baseline, "baseline") if baseline else None
+    if opts.endpoint:
+        blocked = [s for s in suites if s in IN_PROCESS_ONLY]
+        if blocked:
+            raise ValueError(f"suite(s) {blocked} need the model in process (logits / KV cache); "
+                             "drop --endpoint or these suites")
+    if "kl" in suites and base is None:
+        raise ValueError("suite 'kl' needs --baseline")
+    if base is not None and base.resolve() == build.resolve():
+        raise ValueError(f"BUILD and --baseline are the same folder ({build}): the gate would compare "
+                         "the build with itself; give the FP8 source (or another reference) as --baseline")
+    build_cfg = json.loads((build / "config.json").read_text())
+    if base is not None and not baseline_endpoint:
+        vb = _text_config(build_cfg).get("vocab_size")
+        va = _text_config(json.loads((base / "config.json").read_text())).get("vocab_size")
+        if va and vb and va != vb:
+            raise ValueError(f"vocabulary sizes differ: baseline {va} ({base}), build {vb} ({build}); "
+                             "the build is scored with its own tokenizer against a baseline of the same model")
+    thresholds = load_thresholds(opts.thresholds)
+    lengths = _passkey_lengths(build_cfg, opts) if {"passkey", "kv-parity"} & set(suites) else []
+    warnings = []
+    if not (build / MANIFEST_NAME).is_file():
+        warnings.append(f"BUILD {build} has no {MANIFEST_NAME}: not a spark-quant build (a third-party "
+                        "build, or the source itself?); the report cannot tie these scores to a conversion")
+    return Preflight(build, base, build_cfg, thresholds, lengths, warnings,
+                     opts.endpoint_model or (opts.endpoint and _served_model(opts.endpoint)),
+                     baseline_endpoint and _served_model(baseline_endpoint))
+
+
 def run_eval(build: str | Path, baseline: str | Path | None = None,
              opts: EvalOptions | None = None, baseline_endpoint: str | None = None) -> dict:
     """Run ``opts.suites`` on ``build`` (against ``baseline``), gate, write the report.
@@ -181,54 +341,61 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
         baseline_endpoint: reach the baseline through this OpenAI-compatible URL instead.
 
     Returns:
-        the report dict (also written as ``report.json``); ``report["gate"]["passed"]``.
+        the report dict (also written as ``report.json``); ``report["gate"]["passed"]``, and
+        ``report["gate"]["release"]`` when the run was wide enough to stand for a release
+        (:func:`eval.gate.release_scope`).
 
     Raises:
-        ValueError: unknown suite, or a suite that needs a baseline or an in-process model
-            that this run does not have (the message names the suite).
+        ValueError: bad options (:meth:`EvalOptions.check`); BUILD or baseline missing, not a
+            model folder, the same folder, or of different vocabulary sizes; a suite that
+            needs a baseline or an in-process model this run does not have (named); a bad
+            thresholds file; passkey lengths beyond the model's context.
+        OSError: an endpoint cannot be reached (the URL is named).
+        All of these are raised before anything is written or any model is loaded.
     """
-    from transformers import AutoTokenizer
-
     from eval.degenerate import degenerate_summary
-    from eval.gate import gate_checks, gate_passed, load_thresholds
+    from eval.gate import gate_checks, gate_passed, release_scope, skipped_without_baseline
     from eval.report import card_results, gate_reason
     from eval.report import write_report
 
     opts = opts or EvalOptions()
-    build = Path(build)
-    base = Path(baseline) if baseline else None
-    suites = [s.strip() for s in opts.suites]
-    bad = [s for s in suites if s not in SUITES]
-    if bad:
-        raise ValueError(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}")
-    if opts.endpoint:
-        blocked = [s for s in suites if s in IN_PROCESS_ONLY]
-        if blocked:
-            raise ValueError(f"suite(s) {blocked} need the model in process (logits / KV cache); "
-                             "drop --endpoint or these suites")
-    if "kl" in suites and base is None:
-        raise ValueError("suite 'kl' needs --baseline")
-    thresholds = load_thresholds(opts.thresholds)
+    pre = preflight(build, baseline, opts, baseline_endpoint)
+    build, base, thresholds, lengths, warnings = (
+        pre.build, pre.baseline, pre.thresholds, pre.lengths, pre.warnings)
+    suites = list(opts.suites)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(build)
+    chat = bool(getattr(tok, "chat_template", None))
+    pk_prompts = None
+    if lengths:
+        from eval.passkey import make_prompts, prompts_sha256
+
+        pk_prompts = make_prompts(tok, lengths, list(opts.passkey_depths), opts.passkey_trials,
+                                  opts.passkey_filler, opts.seed)
     out = Path(opts.out) if opts.out else build / "eval"
+    if out.is_dir():
+        _clear_previous(out)
     out.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(opts.cache_dir or os.environ.get("SPARK_QUANT_CACHE")
                      or Path.home() / ".cache" / "spark-quant") / "eval-data"
     device = "endpoint" if opts.endpoint else _resolve_device(opts.device)
-    tok = AutoTokenizer.from_pretrained(build)
-    chat = bool(getattr(tok, "chat_template", None))
-    build_cfg = json.loads((build / "config.json").read_text())
-    sides = {"build": _Side("build", build, opts.endpoint,
-                            opts.endpoint_model or (opts.endpoint and _served_model(opts.endpoint)),
-                            tok, opts, device)}
+    sides = {"build": _Side("build", build, opts.endpoint, pre.build_model, tok, opts, device)}
     if base is not None:
         bdev = _resolve_device(opts.device)
-        sides["baseline"] = _Side("baseline", base, baseline_endpoint,
-                                  baseline_endpoint and _served_model(baseline_endpoint), tok, opts, bdev)
+        sides["baseline"] = _Side("baseline", base, baseline_endpoint, pre.baseline_model, tok, opts, bdev)
+    backend = "endpoint" if opts.endpoint else "in-process"
+    done: list[str] = []
     results: dict = {}
     timings: dict = {}
     pk_rows: list[dict] = []
     versions = _versions()
     data: dict = {}
+    if pk_prompts:
+        data["passkey_prompts_sha256"] = prompts_sha256(pk_prompts)
     texts_for_degenerate = {name: [] for name in sides}
     task_dir = out / "tasks"
     if {"gsm8k", "mc", "kv-parity"} & set(suites):
@@ -242,8 +409,16 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
         if any(texts_for_degenerate.values()):
             results["degenerate"] = {name: degenerate_summary(t) for name, t in texts_for_degenerate.items()}
         checks = gate_checks(results, thresholds)
+        passed = complete and gate_passed(checks)
+        scope = {"suites": suites, "suites_done": list(done), "limit": opts.limit,
+                 "baseline": baseline_endpoint or (str(base) if base else None), "backend": backend,
+                 "n": _scope_n(results, pk_prompts),
+                 **release_scope(suites, done, opts.limit, base and str(base), backend)}
+        if pk_rows:
+            _write_jsonl(out / "passkey_records.jsonl", pk_rows)
+        files = {f.relative_to(out).as_posix() for f in _artifacts(out) if not f.name.endswith(".tmp")}
         report = {
-            "schema": "spark-quant-eval/1", "complete": complete,
+            "schema": "spark-quant-eval/1", "complete": complete, "warnings": warnings,
             "build": _describe(build), "baseline": _describe(base),
             "backend": {"build": "endpoint" if opts.endpoint else "in-process",
                         "endpoint": opts.endpoint, "endpoint_model": sides["build"].endpoint_model,
@@ -253,16 +428,17 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
             "versions": versions,
             "seeds": {"lm_eval": opts.seed, "passkey": opts.seed},
             "thresholds": {"file": thresholds["_file"], "version": thresholds["version"],
-                           "sha256": thresholds["_sha256"]},
+                           "sha256": thresholds["_sha256"], "defaulted": thresholds["_defaulted"]},
             "data": data,
             "suites": results,
             "timings_s": timings,
-            "results": card_results(results),
-            "gate": {"passed": complete and gate_passed(checks), "reason": gate_reason(checks, complete),
-                     "checks": checks},
+            "results": card_results(results, opts.limit),
+            "scope": scope,
+            "files": sorted(files | {"report.json", "report.md"}),
+            "gate": {"passed": passed, "release": passed and scope["release"],
+                     "reason": gate_reason(checks, complete, scope),
+                     "skipped": [] if base else skipped_without_baseline(results), "checks": checks},
         }
-        if pk_rows:
-            _write_jsonl(out / "passkey_records.jsonl", pk_rows)
         write_report(report, out)
         return report
 
@@ -276,6 +452,7 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
         results["kl"] = teacher_forced_kl(sides["baseline"].model, sides["build"].model, tok, texts,
                                           opts.kl_tokens, opts.kl_window)
         timings["kl"] = time.time() - t0
+        done.append("kl")
         finish(False)
 
     if "gsm8k" in suites:
@@ -301,6 +478,7 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
         r["samples_file"] = "gsm8k_samples.jsonl"
         results["gsm8k"] = r
         timings["gsm8k"] = time.time() - t0
+        done.append("gsm8k")
         finish(False)
 
     if "mc" in suites:
@@ -321,16 +499,8 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
             r["paired"] = paired_compare(items["baseline"], items["build"], "acc_norm")
         results["mc"] = r
         timings["mc"] = time.time() - t0
+        done.append("mc")
         finish(False)
-
-    pk_prompts = None
-    if "passkey" in suites or "kv-parity" in suites:
-        from eval.passkey import make_prompts, prompts_sha256
-
-        lengths = _passkey_lengths(build_cfg, opts)
-        pk_prompts = make_prompts(tok, lengths, list(opts.passkey_depths), opts.passkey_trials,
-                                  opts.passkey_filler, opts.seed)
-        data["passkey_prompts_sha256"] = prompts_sha256(pk_prompts)
 
     if "passkey" in suites:
         from eval.passkey import grid_summary, heatmap_png, run_passkey
@@ -348,6 +518,7 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
             pk_rows += [{"model": name, "kv": "default", **x} for x in recs]
         results["passkey"] = r
         timings["passkey"] = time.time() - t0
+        done.append("passkey")
         finish(False)
 
     if "kv-parity" in suites:
@@ -359,7 +530,21 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
 
         _kv_parity(sides["build"], tok, opts, out, task_dir, pk_prompts, pk_rows, data, chat, progress)
         timings["kv_parity"] = time.time() - t0
+        done.append("kv-parity")
     return finish(True)
+
+
+def _scope_n(results: dict, pk_prompts: list | None) -> dict:
+    """What each suite's numbers rest on: ``{suite: {"n": count, "unit": ...}}``."""
+    n = {}
+    if "kl" in results:
+        n["kl"] = {"n": results["kl"]["tokens"], "unit": "tokens"}
+    for s in ("gsm8k", "mc"):
+        if "build" in results.get(s, {}):
+            n[s] = {"n": results[s]["build"]["n"], "unit": "problems"}
+    if "passkey" in results and pk_prompts:
+        n["passkey"] = {"n": len(pk_prompts), "unit": "prompts"}
+    return n
 
 
 def _device_name(device: str) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from eval.report import scope_text
 from quantize.errors import CardError, OutputError
 from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
 from quantize.redact import redact
@@ -61,14 +62,30 @@ def load_build(build: Path) -> dict:
 
 
 def read_gate(report: dict | None) -> tuple[bool, str]:
-    """(passed, verdict) from ``eval/report.json``'s ``gate``; missing counts as not passed."""
+    """(release, verdict) from ``eval/report.json``'s ``gate``.
+
+    ``release`` is True only for a gate that passed on a release-wide run (``gate.release``:
+    finished, no ``--limit``, a baseline, the default suites); a missing report, a failed or
+    unfinished run, and a partial one are not. ``verdict`` reads after "eval gate" ("passed",
+    "failed: kl.mean_kl 8.99 (limit <= 0.35)", "incomplete: the evaluation did not finish
+    (...)", "passed on a partial run, not a release gate
+    (--limit 5: ...)", "not run: no eval report (eval/report.json)").
+    """
     if report is None:
-        return False, f"no eval report ({REPORT}): the eval gate has not run on this build"
+        return False, f"not run: no eval report ({REPORT})"
     gate = report.get("gate") or {}
-    if gate.get("passed") is True:
+    if gate.get("passed") is not True:
+        why = gate.get("reason") or "no verdict"
+        return False, why if why.startswith("incomplete") else f"failed: {why}"
+    if gate.get("release") is True:
         return True, "passed"
-    why = gate.get("reason") or ", ".join(map(str, gate.get("failed", []))) or "no verdict"
-    return False, f"eval gate failed: {why}"
+    why = (report.get("scope") or {}).get("not_release") or ["the report records no release scope"]
+    return False, f"passed on a partial run, not a release gate ({'; '.join(why)})"
+
+
+def _sig(x):
+    """A float at 4 significant digits (ints and the rest unchanged)."""
+    return float(f"{x:.4g}") if isinstance(x, float) else x
 
 
 def _recipe_rows(targets: dict[str, str]) -> list[dict]:
@@ -82,6 +99,11 @@ def _recipe_rows(targets: dict[str, str]) -> list[dict]:
                             for t, n in count.most_common())
         rows.append({"group": group, "became": became, "count": sum(count.values())})
     return rows
+
+
+def _task_n(report: dict, task: str) -> str:
+    n = ((report or {}).get("scope") or {}).get("n", {}).get(task)
+    return f"{n['n']} {n['unit']}" if n else ""
 
 
 def _eval_results(report: dict | None) -> list:
@@ -98,7 +120,7 @@ def _eval_results(report: dict | None) -> list:
             out.append(EvalResult(task_type="text-generation", task_name=task,
                                   dataset_type=ds.get("type", task), dataset_name=ds.get("name", task),
                                   dataset_config=ds.get("config"), dataset_split=ds.get("split"),
-                                  metric_type=metric, metric_value=value))
+                                  metric_type=metric, metric_value=_sig(value)))
     return out
 
 
@@ -129,7 +151,7 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
         extra.update(eval_results=results, model_name=repo_id.split("/")[-1])
     data = ModelCardData(base_model=base, license=lic, tags=tags, library_name="transformers",
                          pipeline_tag="text-generation", base_model_relation="quantized", **extra)
-    passed, verdict = read_gate(info["report"])
+    _, verdict = read_gate(info["report"])
     summary = man.get("summary", {})
     files = man.get("files", {})
     plan = info["plan"] or {}
@@ -155,9 +177,10 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
         recipe_rows=_recipe_rows(man.get("targets", {})),
         ignore_count=len(summary.get("ignore", [])), notes=summary.get("notes", []),
         size_rows=size_rows, fit_rows=fit, fit_columns=list(fit[0]) if fit else [],
-        gate_line=("passed" if passed else verdict) if info["report"] is not None else None,
-        eval_rows=[{"task": r.task_name, "metric": r.metric_type, "value": r.metric_value}
-                   for r in results],
+        gate_line=verdict if info["report"] is not None else None,
+        gate_scope=scope_text(info["report"]["scope"]) if (info["report"] or {}).get("scope") else None,
+        eval_rows=[{"task": r.task_name, "metric": r.metric_type, "value": r.metric_value,
+                    "n": _task_n(info["report"], r.task_name)} for r in results],
         commit=src.get("commit"), layout=src.get("layout", "?"), source_note=src.get("demo"),
         source_files=bool(source_files),
         license=lic)

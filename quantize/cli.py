@@ -183,19 +183,44 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+def _int_at_least(low: int):
+    """argparse ``type``: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _int_list(low: int, high: int | None = None):
+    """argparse ``type``: a comma list of integers in ``low..high``."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+        bad = [v for v in values if v < low or (high is not None and v > high)]
+        if not values or bad:
+            rule = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"each must be {rule}, got {text!r}")
+        return values
+    return parse
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from eval.report import gate_lines
     from eval.suite import EvalOptions, run_eval
 
-    def ints(text):
-        return tuple(int(x) for x in text.split(",")) if text else None
-
     opts = EvalOptions(
-        suites=tuple(s for s in args.suite.split(",") if s), limit=args.limit, device=args.device,
+        suites=tuple(s.strip() for s in args.suite.split(",") if s.strip()), limit=args.limit, device=args.device,
         endpoint=args.endpoint, endpoint_model=args.endpoint_model, thresholds=args.thresholds,
         out=args.out, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
-        kl_tokens=args.kl_tokens, passkey_lengths=ints(args.passkey_lengths),
-        passkey_depths=ints(args.passkey_depths) or EvalOptions.passkey_depths,
+        kl_tokens=args.kl_tokens, passkey_lengths=args.passkey_lengths,
+        passkey_depths=args.passkey_depths or EvalOptions.passkey_depths,
         passkey_trials=args.passkey_trials, kv_dtypes=tuple(args.kv_dtypes.split(",")),
         kv_scales=args.kv_scales, kv_gsm8k_limit=args.kv_gsm8k_limit)
     report = run_eval(args.build, args.baseline, opts, baseline_endpoint=args.baseline_endpoint)
@@ -203,7 +228,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"report: {out / 'report.json'}, {out / 'report.md'}")
     for line in gate_lines(report):
         print(line, file=sys.stderr)
-    print("gate: " + ("PASSED" if report["gate"]["passed"] else "FAILED"))
+    g = report["gate"]
+    print("gate: " + ("PASSED" if g["passed"] else "FAILED") + (
+        "" if g["release"] or not g["passed"] else
+        " (not a release gate: " + "; ".join(report["scope"]["not_release"]) + ")"))
     return 0 if report["gate"]["passed"] else 1
 
 
@@ -358,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--baseline", help="reference folder: the FP8 source, a dense model or another build")
     e.add_argument("--suite", default="kl,gsm8k,passkey",
                    help="comma list of kl, gsm8k, mc, passkey, kv-parity (default kl,gsm8k,passkey)")
-    e.add_argument("--limit", type=int, help="first N GSM8K / ARC problems (default all)")
+    e.add_argument("--limit", type=_int_at_least(1),
+                   help="first N GSM8K / ARC problems (default all; a limited run is not a release gate)")
     e.add_argument("--device", default="auto", help="cpu, cuda or auto (in-process models)")
     e.add_argument("--endpoint", help="OpenAI-compatible server serving the build (vLLM, SGLang, "
                                       "transformers serve), e.g. http://127.0.0.1:8000")
@@ -366,16 +395,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--baseline-endpoint", help="reach the baseline through this server instead")
     e.add_argument("--thresholds", help="gate thresholds TOML (default eval/thresholds/v1.toml)")
     e.add_argument("--out", help="report folder (default BUILD/eval)")
-    e.add_argument("--batch-size", type=int, default=8)
-    e.add_argument("--max-gen-toks", type=int, default=256, help="GSM8K generation budget")
-    e.add_argument("--kl-tokens", type=int, default=2048)
-    e.add_argument("--passkey-lengths", help="comma list of prompt lengths in tokens")
-    e.add_argument("--passkey-depths", help="comma list of depths in percent (default 0,25,50,75,100)")
-    e.add_argument("--passkey-trials", type=int, default=3)
+    e.add_argument("--batch-size", type=_int_at_least(1), default=8)
+    e.add_argument("--max-gen-toks", type=_int_at_least(1), default=256, help="GSM8K generation budget")
+    e.add_argument("--kl-tokens", type=_int_at_least(2), default=2048)
+    e.add_argument("--passkey-lengths", type=_int_list(1),
+                   help="comma list of prompt lengths in tokens (within the model's context)")
+    e.add_argument("--passkey-depths", type=_int_list(0, 100),
+                   help="comma list of depths in percent (default 0,25,50,75,100)")
+    e.add_argument("--passkey-trials", type=_int_at_least(1), default=3)
     e.add_argument("--kv-dtypes", default="bf16,fp8,nvfp4")
     e.add_argument("--kv-scales", default="auto", choices=["auto", "calibrate"],
                    help="auto: the build's k/v scales, else 1.0 as engines default")
-    e.add_argument("--kv-gsm8k-limit", type=int, default=50, help="GSM8K problems per KV dtype")
+    e.add_argument("--kv-gsm8k-limit", type=_int_at_least(0), default=50, help="GSM8K problems per KV dtype")
     e.set_defaults(func=_cmd_eval)
     return p
 

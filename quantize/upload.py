@@ -3,7 +3,9 @@
 Order, so that nothing reaches the Hub before every check has passed:
 
 1. the build is finished (manifest present, no resume ledger, files as the manifest lists);
-2. the eval gate (``eval/report.json``) passed, or ``--force`` (stated in the card);
+2. the eval gate (``eval/report.json``) passed as a release gate (a finished run on every
+   problem, against a baseline, with the default suites: ``gate.release``), or ``--force``
+   (stated in the card);
 3. the card is rendered and its metadata checked locally (``quantize.card.validate_card``);
 4. ``--dry-run`` stops here and returns the card and the file plan;
 5. the Hub checks the card (``ModelCard.validate``, ``/api/validate-yaml``) — FC-33;
@@ -65,6 +67,19 @@ def file_plan(build: Path) -> list[tuple[str, int]]:
     return out
 
 
+def _advice(report: dict | None) -> str:
+    """What to do about a gate that does not allow a release."""
+    if report is None:
+        return "Run `quantize eval BUILD --baseline SRC` first"
+    if report.get("complete") is False:
+        return "Re-run `quantize eval` to the end"
+    if (report.get("gate") or {}).get("passed"):
+        return ("Re-run `quantize eval` as a release gate (every problem, no --limit; --baseline; "
+                "the default suites)")
+    return ("The build failed its checks (see eval/report.md): fix the build (recipe, calibration) "
+            "and evaluate it again")
+
+
 def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
                  revision: str | None = None, dry_run: bool = False, force: bool = False,
                  base_model: str | None = None, license: str | None = None) -> Upload:
@@ -75,15 +90,17 @@ def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
         repo_id: ``ORG/NAME``; created if missing (``private`` applies then).
         revision: branch to commit to (created from ``main`` if missing); default ``main``.
         dry_run: check and render only; nothing is sent.
-        force: publish although the eval gate is missing or failed (stated in the card).
+        force: publish although the eval gate is missing, failed, unfinished or partial
+            (stated in the card).
         base_model, license: override what the build's provenance says.
 
     Returns:
         Upload with the card text, the file plan and (unless ``dry_run``) the commit URL.
 
     Raises:
-        OutputError: the build is unfinished or changed. GateFailed: gate missing or failed
-        without ``force``. CardError: card metadata invalid, locally or per the Hub (nothing
+        OutputError: the build is unfinished or changed. GateFailed: gate missing, failed,
+        unfinished or not a release gate, without ``force`` (the message says which and what to
+        do). CardError: card metadata invalid, locally or per the Hub (nothing
         uploaded). OutputError: the Hub refused or could not be reached (the message says
         which; re-running resumes).
     """
@@ -91,8 +108,9 @@ def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
     info = load_build(build)
     passed, verdict = read_gate(info["report"])
     if not passed and not force:
-        raise GateFailed(f"refusing to upload {build}: {verdict}. Run the eval, or pass --force "
-                         "to publish anyway (the card will say so)", key="gate")
+        raise GateFailed(f"refusing to upload {build}: eval gate {verdict}. "
+                         f"{_advice(info['report'])}, or pass --force to publish anyway (the card "
+                         "will say so)", key="gate")
     forced = None if passed else verdict
     card = render_card(build, repo_id, base_model=base_model, license=license, forced=forced,
                        info=info)

@@ -18,14 +18,29 @@ FAST = ["--limit", "5", "--max-gen-toks", "32", "--kl-tokens", "512", "--passkey
 @pytest.fixture(scope="module")
 def demo_report(demo_build, demo_src, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
+    # left by an earlier, wider run (kv-parity) and by the user: only ours must go
+    (out / "passkey_kv_fp8.png").write_bytes(b"stale")
+    (out / "notes.txt").write_text("mine")
     rc = main(["eval", str(demo_build), "--baseline", str(demo_src), "--suite", "kl,gsm8k,passkey,mc",
                "--out", str(out), *FAST])
     return rc, out, json.loads((out / "report.json").read_text())
 
 
-def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, tmp_path):
+def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, demo_src, tmp_path):
     rc, out, r = demo_report
     assert rc == 0 and r["gate"]["passed"]
+    # --limit 5: the checks passed, but this is no release gate (quantize upload refuses it)
+    assert r["gate"]["release"] is False and r["scope"]["release"] is False
+    assert r["scope"]["not_release"] == ["--limit 5: only the first 5 problems of each set were scored"]
+    assert r["scope"]["limit"] == 5 and r["scope"]["baseline"] == str(demo_src)
+    assert r["scope"]["suites_done"] == ["kl", "gsm8k", "mc", "passkey"]
+    assert r["scope"]["n"] == {"kl": {"n": 511, "unit": "tokens"}, "gsm8k": {"n": 5, "unit": "problems"},
+                               "mc": {"n": 5, "unit": "problems"}, "passkey": {"n": 4, "unit": "prompts"}}
+    assert r["results"]["gsm8k"]["dataset"]["split"] == "test[:5]"
+    assert r["warnings"] == [] and r["gate"]["skipped"] == []
+    # the folder holds exactly what the report lists (the stale heatmap is gone, notes.txt kept)
+    present = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert present == sorted([*r["files"], "notes.txt"]) and "passkey_kv_fp8.png" not in present
     assert r["schema"] == "spark-quant-eval/1" and r["complete"] is True
     assert r["build"]["manifest_sha256"] == __import__("hashlib").sha256(
         (demo_build / "spark_quant_manifest.json").read_bytes()).hexdigest()
@@ -42,11 +57,14 @@ def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, tm
     names = {c["name"] for c in r["gate"]["checks"]}
     assert {"kl.mean_kl", "kl.top1_agree", "gsm8k.flexible-extract.drop", "gsm8k.strict-match.drop",
             "mc.acc.drop", "passkey.mean.drop", "degenerate.rate"} <= names
-    assert "**Gate: PASSED**" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "**Gate: PASSED**" in md and "**Not a release gate**" in md and "-0 " not in md
+    assert "Note: 5 problems are too few to judge accuracy by" in md
     # quantize upload reads this report: its verdict and the card's model-index numbers.
     from quantize.card import read_gate, render_card
 
-    assert read_gate(r) == (True, "passed")
+    assert read_gate(r) == (False, "passed on a partial run, not a release gate (--limit 5: only the "
+                                   "first 5 problems of each set were scored)")
     assert r["results"]["kl"]["mean_kl"] == r["suites"]["kl"]["mean_kl"]
     assert r["results"]["gsm8k"]["exact_match,flexible-extract"] == r["suites"]["gsm8k"]["build"]["flexible-extract"]["acc"]
     staged = tmp_path / "card_check"
@@ -54,7 +72,8 @@ def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, tm
     (staged / "eval").mkdir()
     shutil.copy(out / "report.json", staged / "eval" / "report.json")
     card = str(render_card(staged, "me/demo-nvfp4"))
-    assert "Eval gate: **passed**." in card and "exact_match,strict-match" in card
+    assert "Eval gate: **passed on a partial run, not a release gate (--limit 5" in card
+    assert "| gsm8k | exact_match,strict-match |" in card and "| 5 problems |" in card
 
 
 def test_demo_kl_gsm8k_passkey_values(demo_report):
@@ -87,6 +106,9 @@ def test_corrupted_fused_group_scale_fails_the_gate(demo_build, demo_src, tmp_pa
     """FC-06: one member of a fused gate/up group written with a global scale 64x off."""
     broken = tmp_path / "broken"
     shutil.copytree(demo_build, broken, ignore=shutil.ignore_patterns("eval"))
+    for stale in ("eval/gsm8k_samples.jsonl", "eval/passkey_build.png", "eval/tasks/spark_gsm8k.yaml"):
+        (broken / stale).parent.mkdir(parents=True, exist_ok=True)
+        (broken / stale).write_text("from an earlier, wider run")
     index = json.loads((broken / "model.safetensors.index.json").read_text())["weight_map"]
     name = "model.layers.0.mlp.up_proj.weight_global_scale"
     shard = broken / index[name]
@@ -98,6 +120,9 @@ def test_corrupted_fused_group_scale_fails_the_gate(demo_build, demo_src, tmp_pa
     assert rc == 1
     r = json.loads((broken / "eval" / "report.json").read_text())
     assert not r["gate"]["passed"]
+    # a narrower run over an earlier one: only its own files remain, as the report says
+    assert r["files"] == ["report.json", "report.md"]
+    assert sorted(p.name for p in (broken / "eval").rglob("*")) == ["report.json", "report.md"]
     failed = {c["name"]: c for c in r["gate"]["checks"] if not c["passed"]}
     assert "kl.mean_kl" in failed and failed["kl.mean_kl"]["by"] > 0
     assert r["suites"]["kl"]["mean_kl"] > 5  # measured 8.99 nats, top-1 11 %
@@ -105,4 +130,4 @@ def test_corrupted_fused_group_scale_fails_the_gate(demo_build, demo_src, tmp_pa
     assert "FAIL kl.mean_kl" in err and "off by" in err
     from quantize.card import read_gate
 
-    assert read_gate(r)[1].startswith("eval gate failed: kl.mean_kl ")
+    assert read_gate(r)[1].startswith("failed: kl.mean_kl ")

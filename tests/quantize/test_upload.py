@@ -11,18 +11,26 @@ from pathlib import Path
 import pytest
 
 from quantize import cli
-from quantize.card import render_card, validate_card
+from quantize.card import read_gate, render_card, validate_card
 from quantize.errors import CardError, GateFailed
 from quantize.pipeline import convert
 from quantize.upload import upload_build
 from tests.hub_server import FakeHub, client_env, run_quantize
 
 TOKEN = "hf_test_token"
-REPORT = {"gate": {"passed": True, "reason": "all checks within thresholds"},
-          "results": {"kl": {"mean_kl": 0.0123, "top1_agreement": 0.971,
+SCOPE = {"suites": ["kl", "gsm8k", "passkey"], "suites_done": ["kl", "gsm8k", "passkey"], "limit": None,
+         "baseline": "/models/tiny-fp8", "backend": "in-process",
+         "n": {"kl": {"n": 2047, "unit": "tokens"}, "gsm8k": {"n": 1319, "unit": "problems"},
+               "passkey": {"n": 75, "unit": "prompts"}},
+         "release": True, "not_release": []}
+REPORT = {"schema": "spark-quant-eval/1", "complete": True, "scope": SCOPE,
+          "gate": {"passed": True, "release": True, "reason": "all checks within thresholds"},
+          "results": {"kl": {"mean_kl": 0.0123456, "top1_agreement": 0.971,
                              "dataset": {"type": "baber/paul_graham_essays",
                                          "name": "Paul Graham essays"}},
-                      "gsm8k": {"exact_match,strict-match": 0.42}}}
+                      "gsm8k": {"exact_match,strict-match": 0.42,
+                                "dataset": {"type": "gsm8k", "name": "GSM8K", "config": "main",
+                                            "split": "test"}}}}
 PLAN = {"fit": [{"setup": "1x DGX Spark", "weights GiB": 0.01, "KV tokens": 500000, "fits": "yes"}]}
 
 
@@ -78,12 +86,15 @@ def test_upload_publishes_build_then_card(build, tmp_path):
     assert {"nvfp4", "compressed-tensors", "dgx-spark", "llama"} <= set(meta["tags"])
     results = meta["model-index"][0]["results"]
     got = {(r["task"]["name"], m["type"], m["value"]) for r in results for m in r["metrics"]}
-    assert got == {("gsm8k", "exact_match,strict-match", 0.42), ("kl", "mean_kl", 0.0123),
-                   ("kl", "top1_agreement", 0.971)}
+    assert got == {("gsm8k", "exact_match,strict-match", 0.42), ("kl", "mean_kl", 0.01235),
+                   ("kl", "top1_agreement", 0.971)}  # 4 significant digits
     assert "| 1x DGX Spark | 0.01 | 500000 | yes |" in card
     assert "| `model.layers.*.mlp.gate_proj` | NVFP4 (e2m1, e4m3 block scale / 16, f32 global scale) | 3 |" in card
     assert "| `model.embed_tokens` | kept as in the source | 1 |" in card
-    assert "Eval gate: **passed**." in card
+    assert ("Eval gate: **passed**. Scope: suites kl, gsm8k, passkey (KL 2047 tokens, GSM8K 1319 "
+            "problems, passkey 75 prompts); every problem of each set; baseline `/models/tiny-fp8`.") in card
+    assert "| kl | mean_kl | 0.01235 | 2047 tokens |" in card
+    assert "| gsm8k | exact_match,strict-match | 0.42 | 1319 problems |" in card
 
 
 def test_interrupted_upload_resends_only_what_is_missing(build, tmp_path):
@@ -168,18 +179,59 @@ def test_gate_refusal_and_force(build, tmp_path, capsys):
     missing = tmp_path / "missing"
     shutil.copytree(build, missing)
     (missing / "eval" / "report.json").unlink()
-    with pytest.raises(GateFailed, match=r"no eval report \(eval/report.json\)"):
+    with pytest.raises(GateFailed, match=r"eval gate not run: no eval report \(eval/report.json\)\. "
+                                         r"Run `quantize eval BUILD --baseline SRC` first, or pass --force"):
         upload_build(missing, "me/x", dry_run=True)
     failed = tmp_path / "failed"
     shutil.copytree(build, failed)
     (failed / "eval" / "report.json").write_text(json.dumps(
-        {"gate": {"passed": False, "reason": "mean KL 0.31 > 0.05"}, "results": {}}))
+        {**REPORT, "gate": {"passed": False, "release": False, "reason": "kl.mean_kl 0.31 (limit <= 0.05)"},
+         "results": {}}))
     assert cli.main(["upload", str(failed), "--repo", "me/x", "--dry-run"]) == 1
-    assert "refusing to upload" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (f"refusing to upload {failed}: eval gate failed: kl.mean_kl 0.31 (limit <= 0.05). The build "
+            "failed its checks (see eval/report.md)") in err and "Run the eval" not in err
     assert cli.main(["upload", str(failed), "--repo", "me/x", "--dry-run", "--force"]) == 0
     printed = capsys.readouterr().out
-    assert "> **Published with `--force`:** eval gate failed: mean KL 0.31 > 0.05." in printed
+    assert "> **Published with `--force`:** eval gate failed: kl.mean_kl 0.31 (limit <= 0.05)." in printed
+    assert "Eval gate: **failed: kl.mean_kl 0.31 (limit <= 0.05)**." in printed
+    assert "**eval gate" not in printed  # not "Eval gate: **eval gate failed"
     assert "README.md (rendered card, uploaded last)" in printed
+
+
+def test_partial_or_unfinished_gate_is_not_a_release(build, tmp_path, capsys):
+    """FC: `--suite gsm8k --limit 3` passed its checks but is no release gate."""
+    import shutil
+
+    partial = tmp_path / "partial"
+    shutil.copytree(build, partial)
+    why = ["--limit 3: only the first 3 problems of each set were scored",
+           "suite(s) kl, passkey not run (a release gate runs kl, gsm8k, passkey)"]
+    scope = {**SCOPE, "suites": ["gsm8k"], "suites_done": ["gsm8k"], "limit": 3,
+             "n": {"gsm8k": {"n": 3, "unit": "problems"}}, "release": False, "not_release": why}
+    (partial / "eval" / "report.json").write_text(json.dumps(
+        {**REPORT, "scope": scope, "gate": {"passed": True, "release": False, "reason": "all checks within thresholds"},
+         "results": {"gsm8k": {"exact_match,strict-match": 0.0, "dataset": {"type": "gsm8k", "split": "test[:3]"}}}}))
+    with pytest.raises(GateFailed) as e:
+        upload_build(partial, "me/x", dry_run=True)
+    assert (f"eval gate passed on a partial run, not a release gate ({'; '.join(why)}). Re-run `quantize "
+            "eval` as a release gate (every problem, no --limit; --baseline; the default suites), or pass "
+            "--force") in str(e.value)
+    card = upload_build(partial, "me/x", dry_run=True, force=True).card
+    assert ("Eval gate: **passed on a partial run, not a release gate (--limit 3: only the first 3 problems "
+            "of each set were scored; suite(s) kl, passkey not run (a release gate runs kl, gsm8k, passkey))**. "
+            "Scope: suites gsm8k (GSM8K 3 problems); first 3 problems only (--limit); baseline "
+            "`/models/tiny-fp8`.") in card
+    assert "| gsm8k | exact_match,strict-match | 0.0 | 3 problems |" in card
+    assert validate_card(card)["model-index"][0]["results"][0]["dataset"]["split"] == "test[:3]"
+    cut = tmp_path / "cut"
+    shutil.copytree(build, cut)
+    reason = "incomplete: the evaluation did not finish (suites done: kl; not done: gsm8k, passkey)"
+    (cut / "eval" / "report.json").write_text(json.dumps(
+        {**REPORT, "complete": False, "gate": {"passed": False, "release": False, "reason": reason}}))
+    with pytest.raises(GateFailed, match=r"eval gate incomplete: the evaluation did not finish \(suites done: "
+                                         r"kl; not done: gsm8k, passkey\)\. Re-run `quantize eval` to the end"):
+        upload_build(cut, "me/x", dry_run=True)
 
 
 def test_unfinished_build_is_refused(build, tmp_path):
@@ -195,7 +247,8 @@ def test_unfinished_build_is_refused(build, tmp_path):
 def test_demo_build_card(demo_build):
     card = str(render_card(demo_build, "me/SmolLM2-135M-Instruct-NVFP4",
                            base_model="HuggingFaceTB/SmolLM2-135M-Instruct", license="apache-2.0",
-                           forced="no eval report (eval/report.json)"))
+                           forced=read_gate(None)[1]))
+    assert "> **Published with `--force`:** eval gate not run: no eval report (eval/report.json)." in card
     meta = validate_card(card)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "| `model.layers.*.self_attn.q_proj` | NVFP4 (e2m1, e4m3 block scale / 16, f32 global scale) | 30 |" in card
