@@ -406,7 +406,7 @@ def client_env(hub: FakeHub, hf_home: Path, **extra: str) -> dict:
     the local endpoint, HF_HOME a test folder, plus ``extra`` (HF_TOKEN, HF_HUB_OFFLINE, ...)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONPATH=str(ROOT), **extra)
+               HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **extra)
     return env
 
 

@@ -497,7 +497,7 @@ KILL_POINTS = sorted(random.Random(9).sample(range(1, N_REPLACES + 1), 5))
 @pytest.mark.parametrize("k", KILL_POINTS)
 def test_kill_9_then_resume_is_byte_identical(tmp_path, tiny_fp8_llama, clean, k):
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_fp8_llama), str(out), str(k)],
                          cwd=REPO, env=env, stderr=subprocess.PIPE)
     _, status = os.waitpid(p.pid, os.WUNTRACED)

@@ -68,7 +68,7 @@ def test_torchrun_gloo_two_ranks_write_the_single_process_build(moe, tmp_path):
                         "--nproc-per-node", "2", "-m", "quantize.cli", "nvfp4", "--src", str(src),
                         "--out", str(out), "--device", "cpu", "--kernel", "reference", "--quiet"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("wrote ") == 1  # rank 0 reports, rank 1 stays quiet
     assert_same_build(clean, out)
