@@ -37,23 +37,16 @@ from formats.engines import (ENGINES, FORMAT_SUPPORT, MODEL_RULES, MODELOPT_REQU
                              align_violations)
 from formats.shards import ShardReader, TensorInfo, read_header
 from quantize import archs
+from quantize.errors import Finding
 from quantize.kernels.dtypes import count_bytes
 
-__all__ = ["Finding", "check_build"]
+__all__ = ["check_build", "render_check"]
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One problem: ``level`` error (the engine will refuse or compute garbage) or warning."""
-
-    level: str
-    rule: str
-    message: str
-    tensor: str | None = None
-
-    def render(self) -> str:
-        where = f" {self.tensor}:" if self.tensor else ""
-        return f"{self.level.upper()} [{self.rule}]{where} {self.message}"
+def render_check(f: Finding) -> str:
+    """One ``quantize check`` line: ``ERROR [rule] tensor: message`` (``kind`` is the rule)."""
+    where = f" {f.tensor}:" if f.tensor else ""
+    return f"{f.level.upper()} [{f.kind}]{where} {f.message}"
 
 
 @dataclass
@@ -428,4 +421,4 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
         for msg in check_activation_scales(folder):
             where, _, what = msg.partition(": ")
             out.append(Finding("error", "calibration", what or msg, where if what else None))
-    return sorted(out, key=lambda f: (f.level != "error", f.rule, f.tensor or ""))
+    return sorted(out, key=lambda f: (f.level != "error", f.kind, f.tensor or ""))

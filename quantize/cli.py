@@ -155,11 +155,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from quantize.check import check_build
+    from quantize.check import check_build, render_check
 
     findings = check_build(args.build, engine=args.engine, tp=args.tp)
     for f in findings:
-        print(f.render())
+        print(render_check(f))
     errors = sum(f.level == "error" for f in findings)
     print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {args.engine} TP={args.tp}")
     return 1 if errors else 0

@@ -86,7 +86,9 @@ class Summary:
                  f"  time: {self.seconds:.1f} s, {self.gelem_per_s:.3f} G elements/s quantized",
                  f"  ignore: {len(self.ignore)} modules left unquantized"]
         lines += [f"  note: {n}" for n in self.notes]
-        lines += [f"  check: {f.render()}" for f in self.findings]
+        from quantize.check import render_check
+
+        lines += [f"  check: {render_check(f)}" for f in self.findings]
         return "\n".join(lines)
 
 
@@ -759,14 +761,14 @@ def _finish(job: _Job, out: Path, scheme: str, options: dict, headers: dict, cou
     for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer, kv_cache).items():
         write_json_atomic(obj, out / fname)
     write_json_atomic(config, out / "config.json")
-    from quantize.check import check_build  # the check reads only what was written
+    from quantize.check import check_build, render_check  # the check reads only what was written
 
     findings = check_build(out, engine=engine, tp=tp)
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise CheckFailed(f"quantize check found {len(errors)} error(s) in {out} (no manifest "
-                          "written):\n  " + "\n  ".join(f.render() for f in errors[:20]),
-                          tensor=errors[0].tensor, key=errors[0].rule)
+                          "written):\n  " + "\n  ".join(render_check(f) for f in errors[:20]),
+                          tensor=errors[0].tensor, key=errors[0].kind)
     summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], 0, 0.0, 0, 0,
                       sorted(ignore), notes, findings)
     write_manifest(out, {

@@ -175,7 +175,7 @@ def _engine_checks(build: Path, manifest: dict) -> list[Finding]:
     except SparkQuantError as e:  # its own strict reads failed: the findings above say why
         return [Finding("error", "check", "quantize check could not run: "
                         + str(e).splitlines()[0])]
-    return [Finding(f.level, "check", f"[{f.rule}] " + (f"{f.tensor}: " if f.tensor else "")
+    return [Finding(f.level, "check", f"[{f.kind}] " + (f"{f.tensor}: " if f.tensor else "")
                     + f.message, tensor=f.tensor) for f in found]
 
 

@@ -176,7 +176,7 @@ def test_modelopt_w4a4_input_scale_and_kv_scales(llama, tmp_path):
     shutil.copytree(out, broken)
     save_file(tensors, str(broken / shard_of[bad]))
     errs = [f for f in check_build(broken) if f.level == "error"]
-    assert [(f.rule, f.tensor) for f in errs] == [("fused-group", f"{p}.mlp.gate_up_proj")]
+    assert [(f.kind, f.tensor) for f in errs] == [("fused-group", f"{p}.mlp.gate_up_proj")]
     assert errs[0].message.startswith("input_scale differs across members gate_proj=")
     convert(src, tmp_path / "mo16", fmt="modelopt", progress=False, device="cpu")
     w, _ = read_all(tmp_path / "mo16")
@@ -210,7 +210,7 @@ def test_check_build_runs_the_calibration_rules(llama, tmp_path):
     save_file(kept, str(shard))
     (out / "model.safetensors.index.json").write_text(json.dumps(idx))
     errors = [f for f in check_build(out) if f.level == "error"]
-    assert [(f.rule, f.tensor) for f in errors] == [("calibration", "model.layers.0.mlp.up_proj")]
+    assert [(f.kind, f.tensor) for f in errors] == [("calibration", "model.layers.0.mlp.up_proj")]
 
 
 def test_fast_kernel_and_workers_write_the_reference_calibrated_build(llama, tmp_path):

@@ -52,7 +52,7 @@ def edit_json(path, fn):
 
 
 def errors(folder, **kw):
-    return [(f.rule, f.tensor) for f in check_build(folder, **kw) if f.level == "error"]
+    return [(f.kind, f.tensor) for f in check_build(folder, **kw) if f.level == "error"]
 
 
 E = "model.layers.1.mlp.experts.3"

@@ -132,7 +132,7 @@ def test_ignore_lists_match_tensors(builds):
 
 def test_weight_only_gets_the_unconfirmed_vllm_warning_only(builds):
     _, summary = builds["compressed-tensors", "weight-only"]
-    assert {(f.level, f.rule) for f in summary.findings} == {("warning", "sensitive")}
+    assert {(f.level, f.kind) for f in summary.findings} == {("warning", "sensitive")}
     assert any("27 kda Linear(s)" in f.message for f in summary.findings)
     # the DSA indexer pair stays high precision: weights_proj is sensitive, wk follows its group
     out = load_all(builds["compressed-tensors", "weight-only"][0])

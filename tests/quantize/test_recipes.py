@@ -164,7 +164,7 @@ def test_fc18_mtp_layer_kept_complete(tmp_path, fmt):
     cfg = json.loads((out / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (out / "config.json").write_text(json.dumps(cfg))
-    assert any(f.rule == "mtp" and "layer 3" in f.message for f in check_build(out))
+    assert any(f.kind == "mtp" and "layer 3" in f.message for f in check_build(out))
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
@@ -191,7 +191,7 @@ def test_fc15_router_bf16_listed_in_both_lists(tmp_path, fmt):
         hf["quantization"]["exclude_modules"].remove("model.layers.1.mlp.gate")
         (out / "hf_quant_config.json").write_text(json.dumps(hf))
     errs = [f for f in check_build(out) if f.level == "error"]
-    assert [(f.rule, f.tensor) for f in errs] == [("ignore", "model.layers.1.mlp.gate")]
+    assert [(f.kind, f.tensor) for f in errs] == [("ignore", "model.layers.1.mlp.gate")]
 
 
 def test_narrow_projections_under_tp_kept_and_listed(tmp_path):
@@ -207,7 +207,7 @@ def test_narrow_projections_under_tp_kept_and_listed(tmp_path):
     assert check_build(tmp_path / "tp4", tp=4) == []
     convert(src, tmp_path / "tp1", progress=False)
     errs = check_build(tmp_path / "tp1", tp=4)
-    assert [(f.rule, f.tensor) for f in errs] == [("align", "model.layers.0.mlp.down_proj")]
+    assert [(f.kind, f.tensor) for f in errs] == [("align", "model.layers.0.mlp.down_proj")]
 
 
 def test_fp8_block_narrow_column_split(tmp_path):
@@ -264,5 +264,5 @@ def test_mxfp8_target(tmp_path):
     assert o["model.layers.0.mlp.gate_proj.weight_scale"].shape == (96, 2)
     assert o["model.layers.0.mlp.gate_proj.weight_scale"].dtype == torch.uint8
     findings = check_build(tmp_path / "o")
-    assert [(f.level, f.rule) for f in findings] == [("warning", "config")]  # vLLM CT MXFP8 unconfirmed
+    assert [(f.level, f.kind) for f in findings] == [("warning", "config")]  # vLLM CT MXFP8 unconfirmed
     assert not [f for f in check_build(tmp_path / "o", engine="trtllm") if f.level == "error"]
