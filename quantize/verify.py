@@ -16,7 +16,8 @@ Checks, all reported together:
    bytes; when the source is available (``--src`` or the path in the manifest) and its shard
    headers match the manifest's digests, each sampled element must be within the NVFP4
    rounding bound of the source (one e2m1 step unit ``block_scale / global_scale``, which
-   covers rounding, saturation and the FC-11b floor), bf16 rows must equal the source rounded
+   covers rounding and the FC-11b floor, plus ``|x| - 6 units`` where an element was clipped
+   because its block scale was rounded down), bf16 rows must equal the source rounded
    to bf16 and kept rows its exact bits. FP8-block and MXFP8 targets are left to ``quantize
    check``.
 """
@@ -274,7 +275,10 @@ def _sample_nvfp4(reader: ShardReader, writer, name: str, names: list[str],
         return
     ref = source.read_rows(name, r, r + 1).to(torch.float32)
     unit = (scale.to(torch.float32) / glob).repeat_interleave(16, dim=1)
-    bound = unit * (1 + 1e-5) + 1e-30
+    # saturation: where RTN rounded an e4m3 block scale down (up to half the value in the
+    # subnormal range, 2^-9 steps), elements above 6 units were clipped to 6 units
+    clipped = (ref.abs() - 6 * unit).clamp(min=0)
+    bound = unit * (1 + 1e-5) + clipped + 1e-30
     ratio = ((deq - ref).abs() / bound).max().item()
     rep.worst = max(rep.worst, ratio)
     if ratio > 1:

@@ -141,3 +141,45 @@ def test_modelopt_build_verifies_against_its_source(tmp_path, tiny_fp8_llama):
     rep = verify(out)
     assert rep.ok, rep.render()
     assert (rep.sampled, rep.compared) == (20, 20) and 0.3 < rep.worst <= 1.0
+
+
+def test_saturated_block_after_scale_rounded_down_verifies(tmp_path):
+    """A block whose e4m3 scale rounds down in the subnormal range (1.4 * 2^-9 -> 2^-9) clips
+    its top elements to 6 units; verify allows that clipping, nothing more (found on a
+    synthetic GLM-expert checkpoint, where it flagged a fresh build)."""
+    from conftest import BLOCK_FP8_QC, fp8_pair
+
+    from formats.shards import read_header
+
+    h, inter = 64, 256
+    g = torch.Generator().manual_seed(0)
+    t = {"model.embed_tokens.weight": torch.randn(256, h, generator=g).bfloat16(),
+         "model.norm.weight": torch.ones(h).bfloat16(),
+         "model.layers.0.input_layernorm.weight": torch.ones(h).bfloat16(),
+         "model.layers.0.post_attention_layernorm.weight": torch.ones(h).bfloat16()}
+    for m, shape in [("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (32, h)),
+                     ("self_attn.v_proj", (32, h)), ("self_attn.o_proj", (h, h)),
+                     ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h))]:
+        t.update(fp8_pair(f"model.layers.0.{m}", torch.randn(*shape, generator=g) * 0.05))
+    w = torch.zeros(h, inter)
+    w[:, 0] = 1.0  # tensor amax 1.0: global scale 2688
+    tiny = 1.4 * 2.0 ** -9 / 448  # block scale 448 * amax = 1.4 * 2^-9, rounds to 2^-9
+    w[:, 128:144] = tiny * torch.linspace(1.0, 0.1, 16)  # its own 128-column FP8 block: exact
+    t.update(fp8_pair("model.layers.0.mlp.down_proj", w))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 256, "tie_word_embeddings": True,
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+              "quantization_config": BLOCK_FP8_QC}
+    src = write_checkpoint(tmp_path / "src", t, config)
+    out = tmp_path / "build"
+    convert(src, out, progress=False)
+    shard = next(out.glob("*.safetensors"))
+    assert "model.layers.0.mlp.down_proj.weight_packed" in read_header(shard)
+    got = load_file(str(shard))
+    scale = got["model.layers.0.mlp.down_proj.weight_scale"].view(torch.uint8)
+    assert int(scale[0, 8]) == 0x01  # 2^-9: rounded down from 1.4 * 2^-9
+    assert int(got["model.layers.0.mlp.down_proj.weight_packed"][0, 64]) & 0x0F == 0x7  # +6: clipped
+    rep = verify(out)
+    assert rep.ok, rep.render()
+    assert rep.worst <= 1.0
