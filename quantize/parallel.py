@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from quantize.errors import OutputError
+
 __all__ = ["World", "assign_shards", "current_world", "init_from_env", "spawn_local"]
 
 TIMEOUT = timedelta(hours=24)
@@ -88,7 +90,24 @@ def assign_shards(sizes: dict[str, int], world_size: int) -> list[list[str]]:
     return [sorted(x) for x in out]
 
 
-def _child(rank: int, size: int, store: str, threads: int, fn, kwargs: dict, results) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel kill this worker when the process that spawned it dies
+    (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a ``kill -9`` of ``quantize`` never leaves
+    workers writing into the output folder; exit at once if the parent is already gone."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's own clean-up still applies
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _child(rank: int, size: int, store: str, threads: int, fn, kwargs: dict, results,
+           parent: int) -> None:
+    _die_with_parent(parent)
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
@@ -106,7 +125,7 @@ def spawn_local(workers: int, fn, kwargs: dict):
     result. Each process gets ``cores // workers`` torch threads.
 
     Raises:
-        the lowest rank's exception, or RuntimeError when a process died without one.
+        the lowest rank's exception, or OutputError when a process died without one.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -114,7 +133,8 @@ def spawn_local(workers: int, fn, kwargs: dict):
     threads = max(1, (cores or 1) // workers)
     with tempfile.TemporaryDirectory(prefix="spark-quant-group-") as tmp:
         store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_child, args=(r, workers, store, threads, fn, kwargs, results),
+        procs = [ctx.Process(target=_child, args=(r, workers, store, threads, fn, kwargs, results,
+                                                  os.getpid()),
                              name=f"spark-quant-rank{r}") for r in range(workers)]
         for p in procs:
             p.start()
@@ -127,8 +147,9 @@ def spawn_local(workers: int, fn, kwargs: dict):
                 except Exception:  # queue.Empty: check that nobody died silently
                     dead = [p for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
                     if dead:
-                        raise RuntimeError(f"worker {dead[0].name} exited with code "
-                                           f"{dead[0].exitcode} without a result") from None
+                        raise OutputError(f"worker {dead[0].name} exited with code "
+                                          f"{dead[0].exitcode} without a result; the output "
+                                          "has no manifest (run again with --resume)") from None
         finally:
             for p in procs:
                 p.join(timeout=5 if len(got) == workers else 0)

@@ -126,3 +126,50 @@ def test_cuda_build_is_the_cpu_reference_build(moe, tmp_path, kernel):
     src, clean = moe
     convert(src, tmp_path / kernel, progress=False, device="cuda", kernel=kernel)
     assert_same_build(clean, tmp_path / kernel)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="ignore")
+    except OSError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_workers_die_with_a_killed_parent(moe, tmp_path):
+    """kill -9 of ``quantize nvfp4 --workers 2`` takes its workers with it (PR_SET_PDEATHSIG):
+    nothing goes on writing into the output folder, and no manifest appears."""
+    import signal
+    import time
+
+    src, _ = moe
+    out = tmp_path / "b"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    parent = subprocess.Popen([sys.executable, "-m", "quantize.cli", "nvfp4", "--src", str(src),
+                               "--out", str(out), "--workers", "2", "--quiet"], env=env, cwd=ROOT)
+    deadline = time.time() + 60
+    workers: list[int] = []
+    while time.time() < deadline and parent.poll() is None:
+        kids = _children(parent.pid)
+        workers = [k for k in kids if "spawn_main" in _cmdline(k)]
+        if len(workers) >= 2:
+            break
+        time.sleep(0.05)
+    if parent.poll() is not None or len(workers) < 2:
+        pytest.skip(f"the build finished before its workers could be seen ({parent.poll()}, {workers})")
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline and any(Path(f"/proc/{w}").exists() and
+                                          "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]
+                                          for w in workers):
+        time.sleep(0.1)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists()
+             and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
+    assert alive == [], f"workers {alive} outlived their parent"
+    time.sleep(1.0)
+    assert not (out / MANIFEST_NAME).exists()
