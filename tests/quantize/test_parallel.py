@@ -136,8 +136,16 @@ def _cmdline(pid: int) -> str:
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+    """Processes whose parent is ``pid`` (from /proc/N/stat: field 4 after the comm)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
 
 
 def test_workers_die_with_a_killed_parent(moe, tmp_path):
