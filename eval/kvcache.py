@@ -92,13 +92,15 @@ def kv_bytes_per_token(config: dict, dtype: str) -> dict:
     if dtype not in KV_DTYPES:
         raise ValueError(f"unknown KV dtype {dtype!r}; choose from {', '.join(KV_DTYPES)}")
 
-    def width(n: int, d: str) -> int:
-        return {"bf16": 2 * n, "fp8": n, "nvfp4": n // 2 + n // 16}[d]
-
     if rec["kind"] == "mla":
-        per = width(rec["latent"], dtype) + width(rec["rope"], "bf16" if dtype == "nvfp4" else dtype)
+        # vLLM's record (per-tensor fp8 latent + RoPE under one scale), not FlashMLA's tiled
+        # one that quantize.kvcache.mla_record plans for; NVFP4 keeps the RoPE key in bf16
+        L, R = rec["latent"], rec["rope"]
+        per = {"bf16": 2 * (L + R), "fp8": L + R, "nvfp4": L // 2 + L // 16 + 2 * R}[dtype]
     else:
-        per = 2 * rec["kv_heads"] * width(rec["head_dim"], dtype)
+        from quantize.kvcache import KVDtype, gqa_record
+
+        per = int(gqa_record(rec["kv_heads"], rec["head_dim"], KVDtype(dtype)).nbytes)
     return {"per_layer": per, "layers": rec["layers"], "total": per * rec["layers"], "record": rec}
 
 

@@ -601,13 +601,11 @@ def kv_record_dims(config: dict) -> dict:
     Returns:
         ``{"kind": "mla", "latent": int, "rope": int, "layers": int}`` or
         ``{"kind": "mha", "kv_heads": int, "head_dim": int, "layers": int}``; ``layers`` counts
-        softmax-attention layers (``layer_types`` entries naming full or sliding attention when
-        present, else ``num_hidden_layers``).
+        the decoder layers that keep a per-token record (every layer :func:`attention_layers`
+        does not make KDA / linear attention).
     """
     cfg = text_config(config)
-    types = cfg.get("layer_types")
-    layers = (sum(1 for t in types if "attention" in t and "linear" not in t) if types
-              else int(cfg["num_hidden_layers"]))
+    layers = sum(1 for a in attention_layers(config) if a.kind is not AttnKind.KDA)
     if cfg.get("kv_lora_rank"):
         return {"kind": "mla", "latent": int(cfg["kv_lora_rank"]),
                 "rope": int(cfg["qk_rope_head_dim"]), "layers": layers}
