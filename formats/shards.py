@@ -1,9 +1,11 @@
 """The only code that opens weight files: lazy safetensors reads and atomic shard writes."""
 
+import errno
 import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +16,7 @@ from safetensors.torch import save_file
 from quantize.errors import OutputError, SourceError
 
 __all__ = ["TensorInfo", "read_header", "ShardReader", "write_shard_atomic", "sha256_file",
-           "sha256_shard", "prefetch_file", "DTYPE_BYTES", "TORCH_DTYPES", "dtype_name", "discard",
+           "safetensors_prefix", "DIRECT_MIN_BYTES", "prefetch_file", "DTYPE_BYTES", "TORCH_DTYPES", "dtype_name", "discard",
            "is_temp_name"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -149,6 +151,12 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
+DIRECT_MIN_BYTES = 1 << 20
+"""Tensors of at least this many bytes are read with ``O_DIRECT`` where the file system
+allows it (:class:`ShardReader`); smaller ones (scales, norms) through the page cache."""
+_DIRECT_ALIGN = 4096  # offset, length and buffer alignment that O_DIRECT accepts on any device
+
+
 class ShardReader:
     """Tensor reads from a folder of safetensors shards with plain positioned reads.
 
@@ -159,24 +167,43 @@ class ShardReader:
     read the file's size and mtime are compared with those seen when its header was parsed.
     ``locate(shard) -> Path`` says where a shard file is (default ``folder / shard``); a Hub
     source passes one that downloads the shard on first use.
+
+    With ``direct``, tensors of :data:`DIRECT_MIN_BYTES` or more are read with ``O_DIRECT``
+    (Linux): the disk writes straight into the tensor's memory, with no page-cache copy. A
+    checkpoint is read once, so the cache gains nothing, and filling it cost about 1 CPU
+    second per GB read on the 2-core machine of scripts/bench_convert.py (plus, on a unified
+    memory machine such as GB10, memory the GPU then lacks). Where the file system refuses
+    O_DIRECT (tmpfs, some network file systems) reads go through the page cache.
     """
 
     def __init__(self, folder: Path, max_open: int = 4,
-                 locate: Callable[[str], Path] | None = None):
+                 locate: Callable[[str], Path] | None = None, direct: bool = False):
         self.folder = Path(folder)
         self.max_open = max_open
         self.locate = locate or (lambda shard: self.folder / shard)
-        self._open: dict[str, tuple[int, os.stat_result, dict[str, TensorInfo]]] = {}
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self._open: dict[str, tuple[int, os.stat_result, dict[str, TensorInfo], int | None]] = {}
+
+    def _close(self, h) -> None:
+        os.close(h[0])
+        if h[3] is not None:
+            os.close(h[3])
 
     def _handle(self, shard: str):
         h = self._open.pop(shard, None)
         if h is None:
             if len(self._open) >= self.max_open:
-                os.close(self._open.pop(next(iter(self._open)))[0])
+                self._close(self._open.pop(next(iter(self._open))))
             path = self.locate(shard)
             header = read_header(path)
             fd = os.open(path, os.O_RDONLY)
-            h = (fd, os.fstat(fd), header)
+            dfd = None
+            if self.direct:
+                try:
+                    dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                except OSError:  # EINVAL: this file system has no O_DIRECT
+                    dfd = None
+            h = (fd, os.fstat(fd), header, dfd)
         self._open[shard] = h
         return h
 
@@ -190,7 +217,7 @@ class ShardReader:
             SourceError: naming tensor and shard when the tensor is not in the header or the
                 file changed or was truncated since its header was read.
         """
-        fd, st, header = self._handle(shard)
+        fd, st, header, dfd = self._handle(shard)
         info = header.get(name)
         if info is None:
             raise SourceError(f"tensor {name} is not in shard {shard}", shard=shard, tensor=name)
@@ -206,27 +233,58 @@ class ShardReader:
             start, stop = max(0, rows[0]), min(shape[0], rows[1])
             shape[0] = max(0, stop - start)
             offset, nbytes = offset + start * row_bytes, shape[0] * row_bytes
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        view, got = memoryview(buf.numpy()), 0
+        buf = None
+        if dfd is not None and nbytes >= DIRECT_MIN_BYTES:
+            buf = self._read_direct(dfd, offset, nbytes, shard, name)
+            if buf is None:  # refused at read time: the page cache from now on
+                os.close(dfd)
+                self._open[shard] = (fd, st, header, None)
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._read_into(fd, memoryview(buf.numpy()), offset, nbytes, shard, name)
+        return buf.view(TORCH_DTYPES[info.dtype]).reshape(shape)
+
+    @staticmethod
+    def _read_into(fd: int, view: memoryview, offset: int, nbytes: int, shard: str, name: str,
+                   align: int = 1) -> None:
+        got = 0
         while got < nbytes:
             n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
+            got += n
+            if n == 0 or (got < nbytes and got % align):  # an O_DIRECT read ends at EOF only
                 raise SourceError(
                     f"cannot read tensor {name} from shard {shard}: the file ends at byte "
                     f"{offset + got} (truncated during the run); restore it and rerun with "
                     "--resume", shard=shard, tensor=name)
-            got += n
-        return buf.view(TORCH_DTYPES[info.dtype]).reshape(shape)
+
+    def _read_direct(self, dfd: int, offset: int, nbytes: int, shard: str, name: str):
+        """The bytes ``[offset, offset + nbytes)`` as a uint8 tensor viewing an aligned buffer
+        read with O_DIRECT from the aligned span around them; ``None`` when the kernel refuses
+        O_DIRECT for this file after all (EINVAL)."""
+        a = _DIRECT_ALIGN
+        lo = offset - offset % a
+        span = -(-(offset + nbytes - lo) // a) * a
+        raw = torch.empty(span + a, dtype=torch.uint8)
+        pad = -raw.data_ptr() % a
+        try:
+            self._read_into(dfd, memoryview(raw.numpy())[pad: pad + span], lo,
+                            offset + nbytes - lo, shard, name, align=a)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return None
+            raise
+        start = pad + offset - lo
+        return raw[start: start + nbytes]
 
     def drop(self, shard: str) -> None:
         """Close ``shard`` so its file can be deleted."""
         h = self._open.pop(shard, None)
         if h is not None:
-            os.close(h[0])
+            self._close(h)
 
     def close(self) -> None:
-        for fd, _, _ in self._open.values():
-            os.close(fd)
+        for h in self._open.values():
+            self._close(h)
         self._open.clear()
 
     def __del__(self):
@@ -262,33 +320,57 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def sha256_shard(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Hex sha256 of the shard ``path`` just written from ``tensors`` (CPU), hashed from the
-    tensors in memory instead of reading the file back: the file is its 8-byte length, its
-    header, then every tensor's bytes at the header's offsets, so only the header is read.
+_WRITE_ORDER = ("U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E8M0",
+                "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+"""The order in which safetensors lays tensors out in a file: by dtype, in this order (its
+``Dtype`` enum, descending, so wider types come first and stay aligned), then by name."""
 
-    Equals :func:`sha256_file` of ``path``; when the file is not laid out that way (a tensor
-    missing or of another size, a gap between tensors), it falls back to hashing the file.
+
+def safetensors_prefix(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[str]] | None:
+    """The bytes ``safetensors.torch.save_file(tensors, metadata=metadata)`` writes before the
+    tensor data (8-byte little-endian header length, the JSON header padded with spaces to a
+    multiple of 8), and the tensor names in the order their bytes follow.
+
+    Lets a writer hash a shard from memory while the file is being written. safetensors' own
+    rules (``safetensors/src/tensor.rs``: ``prepare`` sorts, ``Metadata`` serializes with
+    serde_json); a caller must still compare the result with the file's first bytes, and
+    ``None`` is returned where a dtype is not one this knows, or for more than one metadata
+    key (safetensors writes them in hash order).
     """
-    path = Path(path)
-    size, hlen = _header_size(path)
-    infos = read_header(path)
-    spans = sorted((i.offset, i.offset + i.nbytes, n) for n, i in infos.items())
-    end = 8 + hlen
-    views = []
-    for start, stop, n in spans:
-        t = tensors.get(n)
-        if t is None or start != end or t.device.type != "cpu" or t.nbytes != stop - start:
-            return sha256_file(path)
-        views.append(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-        end = stop
-    if end != size or set(infos) != set(tensors):
-        return sha256_file(path)
-    with open(path, "rb") as f:
-        h = hashlib.sha256(f.read(8 + hlen))
-    for v in views:
-        h.update(v)  # hashlib releases the GIL for large buffers
-    return h.hexdigest()
+    if metadata and len(metadata) > 1:
+        return None  # safetensors writes metadata from a Rust HashMap: its key order varies
+    rank = {d: i for i, d in enumerate(_WRITE_ORDER)}
+    names = {}
+    for n, t in tensors.items():
+        d = _TORCH_NAMES.get(t.dtype)
+        if d is None:
+            return None
+        names[n] = d
+    order = sorted(tensors, key=lambda n: (rank[names[n]], n))
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for n in order:
+        t = tensors[n]
+        header[n] = {"dtype": names[n], "shape": list(t.shape),
+                     "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+def _hash_from_memory(prefix: bytes, tensors: list[torch.Tensor], out: list[str]) -> None:
+    """Append the sha256 of ``prefix`` and the tensors' bytes to ``out``; nothing on failure
+    (the caller then hashes the file)."""
+    try:
+        h = hashlib.sha256(prefix)
+        for t in tensors:
+            if t.nbytes:
+                h.update(t.reshape(-1).view(torch.uint8).numpy())  # releases the GIL
+        out.append(h.hexdigest())
+    except Exception:
+        pass
 
 
 def is_temp_name(name: str) -> bool:
@@ -308,7 +390,7 @@ def discard(path: Path) -> None:
 
 
 def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
-                       metadata: dict[str, str] | None = None) -> None:
+                       metadata: dict[str, str] | None = None, sha256: bool = False) -> str | None:
     """Write a safetensors shard to ``path`` through a temp name, fsync, then rename.
 
     A crash leaves at most temp files (:func:`is_temp_name`), never a complete-looking shard.
@@ -316,18 +398,47 @@ def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
     the ``0o600`` of the temp file safetensors writes through, so an engine running as
     another user can read the build.
 
+    Once on disk, the file's pages are dropped from the page cache (``POSIX_FADV_DONTNEED``):
+    a converter writes each shard once, and the freed pages serve the next shard's write;
+    left cached, every write took fresh pages, which cost the 2-core machine of
+    scripts/bench_convert.py about 1 CPU second per GB written.
+
+    With ``sha256``, returns the file's hex sha256, computed from the tensors in memory in a
+    second thread while safetensors writes (both release the GIL), so hashing adds no time
+    to the write on a machine with a core to spare. The header is predicted
+    (:func:`safetensors_prefix`) and compared with the file's before the rename; where they
+    differ, the file is hashed instead, so the digest is always that of the file.
+
     Raises:
         OutputError: naming the shard when the write fails (disk full, read-only, ...).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    tensors = {k: v.contiguous() for k, v in sorted(tensors.items())}
+    metadata = metadata or {"format": "pt"}
+    pre = safetensors_prefix(tensors, metadata) if sha256 else None
+    digest: list[str] = []
+    hasher = None
+    if pre is not None:
+        hasher = threading.Thread(target=_hash_from_memory, name="sha256", daemon=True,
+                                  args=(pre[0], [tensors[n] for n in pre[1]], digest))
+        hasher.start()
     try:
-        save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(tmp),
-                  metadata=metadata or {"format": "pt"})
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        finally:
+            if hasher is not None:
+                hasher.join()
         os.chmod(tmp, 0o666 & ~_UMASK)  # readable like any other output file, not 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+            same = pre is not None and digest and f.read(len(pre[0])) == pre[0]
+            if sha256 and not same:
+                digest[:] = [sha256_file(tmp)]
+            if hasattr(os, "posix_fadvise"):  # on disk now: hand its cached pages back
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         os.replace(tmp, path)
+        return digest[0] if sha256 else None
     except Exception as e:  # OSError, or safetensors' own error on a failed write
         discard(tmp)
         raise OutputError(f"cannot write shard {path.name} in {path.parent}: {e}",

@@ -134,7 +134,10 @@ class Source:
         self.files = files or ShardFiles(self.folder)
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
-        self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path)
+        # O_DIRECT and read-ahead for shards already on disk; a fetched shard was just written
+        # (its bytes are in the page cache) and only the fetching thread may locate it
+        self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path,
+                                   direct=type(self.files) is ShardFiles)
         self.findings = self._build_logical(unreadable)
 
     # ---- structure -------------------------------------------------------------------
@@ -284,8 +287,10 @@ class Source:
 
     def prefetch(self, shard: str) -> None:
         """Start reading ``shard`` from disk in the background when it is already on disk
-        (``formats.shards.prefetch_file``); never fetches it."""
-        prefetch_file(self.files.folder / shard)
+        (``formats.shards.prefetch_file``); never fetches it. Nothing where the reader reads
+        large tensors with O_DIRECT (the page cache would be filled for nothing)."""
+        if not self._reader.direct:
+            prefetch_file(self.files.folder / shard)
 
     def read_raw(self, name: str) -> torch.Tensor:
         """Read any stored tensor (weights or scale sidecars) exactly as stored."""

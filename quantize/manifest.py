@@ -103,7 +103,7 @@ class Ledger:
         """Record ``shard`` finished (sha256, source identities, its data findings ``stats``)
         and the amaxes known so far (``{source shard: {"id": identity, "values": {tensor:
         float}}}``). ``digest``: the shard's sha256 when the writer already has it
-        (``formats.shards.sha256_shard``), else the file is hashed."""
+        (``formats.shards.write_shard_atomic``), else the file is hashed."""
         digest = digest or sha256_file(self.out / shard)
         self.done[shard] = {"sha256": digest, "sources": sources, "stats": stats or {}}
         for src, entry in (amax or {}).items():

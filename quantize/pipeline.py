@@ -12,11 +12,16 @@ scales and FP8 KV scales, and weight the block-scale search (``--scales``).
 Reading, quantizing and writing overlap (``quantize.overlap``: a reader thread, this thread, a
 writer thread), NVFP4 goes through the fused kernels of ``quantize.kernels.fused`` (the
 block-scale search through the reference arithmetic), and shards can be divided among
-processes or torchrun ranks (``quantize.parallel``). Peak memory is two output shards plus a
-few prepared tensors and one fused group, whatever the model size.
+processes or torchrun ranks (``quantize.parallel``). Large source tensors are read with
+O_DIRECT and written shards leave the page cache once on disk (``formats.shards``): one pass
+over the checkpoint gains nothing from the cache, and filling it was the largest CPU cost on
+a small machine. Peak memory is a few output shards (being built, queued, being written, and
+freed memory kept for the next ones) plus a few prepared tensors and one fused group,
+whatever the model size.
 """
 
 import json
+import math
 import os
 import threading
 import time
@@ -31,7 +36,7 @@ from tqdm.auto import tqdm
 from calibrate.stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
-from formats.shards import discard, dtype_name, is_temp_name, sha256_shard, write_shard_atomic
+from formats.shards import DTYPE_BYTES, discard, dtype_name, is_temp_name, write_shard_atomic
 from formats.sources import ShardFiles, Source
 from quantize import __version__
 from quantize.act_plan import calibration_record, input_amax_plan, kv_scale_tensors
@@ -445,12 +450,10 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
 
     def write(item) -> None:
         shard, tensors, deps, amaxes, stats = item
-        with clock("write (serialize + fsync)"):
-            write_shard_atomic(tensors, out / shard)
-        with clock("hash"):
-            digest = sha256_shard(out / shard, tensors)
+        with clock("write + sha256"):
+            digest = write_shard_atomic(tensors, out / shard, sha256=True)
         tensors.clear()
-        release_freed_memory()
+        release_freed_memory(keep=reuse)
         with clock("ledger"):
             ledger.mark(shard, deps, amaxes, stats, digest)
         counts["written"] += 1
@@ -466,6 +469,18 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
                     raise RuntimeError("the writer stopped")  # its own error is raised below
                 changed.wait(0.1)
 
+    # free memory kept for reuse (quantize.memory.release_freed_memory): what the stages
+    # below allocate again shard after shard (the output shard being built, the one queued,
+    # the one being written, and the reader's tensors: two queued, one in hand, the
+    # quantizer's, each with a kernel buffer of its size), plus one output shard of slack
+    # for the heap's fragmentation
+    out_bytes, biggest, mine = Counter(), 0, set(shards)
+    for t in source.tensors.values():
+        if t.shard in mine:
+            out_bytes[t.shard] += sum(DTYPE_BYTES[d] * math.prod(shape)
+                                      for d, shape in job.predicted.get(t.name, {}).values())
+            biggest = max(biggest, t.numel * DTYPE_BYTES[t.dtype])
+    reuse = 4 * max(out_bytes.values(), default=0) + 8 * biggest
     known = ledger.known_amax(source.files.identity)
     fetching = type(source.files) is not ShardFiles  # e.g. a Hub stream with a disk budget
     reader = Producer(lambda: _Reader(job, ledger, device, kernel, known).items(
@@ -674,7 +689,7 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
                disable=not progress, position=world.rank)
 
     def run_rank():
-        bound_allocator(CONVERT_MMAP_THRESHOLD)
+        bound_allocator(CONVERT_MMAP_THRESHOLD, one_arena=True)
         ledger = Ledger(out, job_id, resume, rank=world.rank if world.size > 1 else None)
         return _convert_shards(job, mine, out, ledger, dev, kernel, bar)
 

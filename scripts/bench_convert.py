@@ -134,8 +134,7 @@ STAGES = [
     ("read", "reader", ["read"]),
     ("dequant + quantize", "reader", ["dequant + amax"]),
     ("dequant + quantize", "quantizer", ["quantize"]),
-    ("write / serialize", "writer", ["write (serialize + fsync)"]),
-    ("hashing", "writer", ["hash"]),
+    ("write + sha256", "writer", ["write + sha256"]),
     ("other", "writer", ["ledger"]),
     ("other", "main", ["pre-flight", "finish (index, config, check, manifest)"]),
 ]

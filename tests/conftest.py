@@ -166,10 +166,10 @@ def killed_at_write(monkeypatch, n: int):
 
     real, calls = pl.write_shard_atomic, {"n": 0}
 
-    def dying(tensors, path, metadata=None):
+    def dying(tensors, path, metadata=None, sha256=False):
         calls["n"] += 1
         if calls["n"] == n:
             raise KeyboardInterrupt
-        return real(tensors, path, metadata)
+        return real(tensors, path, metadata, sha256)
 
     monkeypatch.setattr(pl, "write_shard_atomic", dying)

@@ -390,11 +390,11 @@ def _failing_on_second_shard(monkeypatch, action):
 
     real, calls = pl.write_shard_atomic, {"n": 0}
 
-    def write(tensors, path, metadata=None):
+    def write(tensors, path, metadata=None, sha256=False):
         calls["n"] += 1
         if calls["n"] == 2:
             action()
-        return real(tensors, path, metadata)
+        return real(tensors, path, metadata, sha256)
 
     monkeypatch.setattr(pl, "write_shard_atomic", write)
 

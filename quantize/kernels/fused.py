@@ -15,8 +15,9 @@ How the fast paths stay bit-exact with the reference (every step is an IEEE-754 
 operation in the same order, or an exact rewrite of one):
 
 - e4m3 bytes decode exactly by bit manipulation (:func:`decode_e4m3`).
-- Block amax: rounding is monotonic, so ``max_i |fl(x_i * s)| = fl(max_i |x_i| * |s|)``;
-  the fast path reduces the decoded magnitudes and multiplies once per block.
+- Block amax: rounding is monotonic, so ``max_i |fl(x_i * s)| = fl(max_i |x_i| * |s|)``,
+  and ``|x_i|`` grows with the e4m3 byte's magnitude bits, so the fast path reduces the bytes
+  and decodes and multiplies once per block.
 - Block scales come from the reference's own :func:`nvfp4_block_scale` (compressed-tensors
   order) or :func:`nvfp4_block_scale_scale2` (nvidia-modelopt order), with 6 passed as a
   tensor so no compiler rewrites ``/ 6`` as ``* (1/6)``.
@@ -94,8 +95,12 @@ def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_block_amax(xu: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    # xu uint8 [Nb, bh, Kb, bw/16, 16]; s float32 [Nb, Kb] -> float32 [Nb, bh, Kb, bw/16]
-    return decode_e4m3(xu, nan_codes=True).abs().amax(-1) * s[:, None, :, None].abs()
+    # xu uint8 [Nb, bh, Kb, bw/16, 16]; s float32 [Nb, Kb] -> float32 [Nb, bh, Kb, bw/16].
+    # |decoded e4m3| grows with the byte's low 7 bits and 0x7F is NaN, so the block's largest
+    # magnitude code, decoded once, is its amax (NaN when it holds one); the max is taken on
+    # int16 lanes (measured fastest of int16 / int32 / float32 / uint8 with inductor).
+    mag = (xu.to(torch.int16) & 0x7F).amax(-1)
+    return decode_e4m3(mag.to(torch.int32), nan_codes=True) * s[:, None, :, None].abs()
 
 
 def _block_scales(block_amax, scalar, six, order: str):

@@ -121,11 +121,13 @@ def test_written_shard_is_readable_by_others_and_leaves_no_temp(tmp_path):
     assert os.listdir(tmp_path) == ["x.safetensors"]
 
 
-def test_shard_digest_from_memory_equals_the_file_digest(tmp_path):
-    """sha256_shard hashes the tensors in memory (only the header is read back) and gives the
-    file's sha256, for mixed dtypes and alignments, a scalar and an empty tensor; with tensors
-    that do not match the file it hashes the file instead."""
-    from formats.shards import sha256_file, sha256_shard, write_shard_atomic
+def test_shard_digest_from_memory_equals_the_file_digest(tmp_path, monkeypatch):
+    """write_shard_atomic(sha256=True) hashes the tensors in memory beside the write and
+    returns the file's sha256: the predicted header is safetensors' own, byte for byte, for
+    every dtype it writes, a scalar, an empty tensor and escaped metadata; with a wrong
+    prediction it hashes the file instead."""
+    import formats.shards as shards
+    from formats.shards import TORCH_DTYPES, safetensors_prefix, sha256_file, write_shard_atomic
 
     g = torch.Generator().manual_seed(0)
     t = {"w.weight_packed": torch.randint(0, 255, (64, 24), generator=g, dtype=torch.uint8),
@@ -133,9 +135,109 @@ def test_shard_digest_from_memory_equals_the_file_digest(tmp_path):
          "w.weight_global_scale": torch.tensor([448.0 * 6 / 0.3]),
          "norm.weight": torch.rand(33, generator=g).to(torch.bfloat16),
          "k_scale": torch.tensor(0.5), "empty": torch.zeros(0, 4), "big": torch.rand(7, 5, dtype=torch.float64)}
+    t.update({f"all.{d}": torch.zeros(3, dtype=dt) for d, dt in TORCH_DTYPES.items()})
+    meta = {"format": 'p"t \\ é'}
     p = tmp_path / "x.safetensors"
-    write_shard_atomic(t, p)
-    assert sha256_shard(p, t) == sha256_file(p)
-    other = dict(t, **{"norm.weight": torch.zeros(34, dtype=torch.bfloat16)})
-    assert sha256_shard(p, other) == sha256_file(p)
-    assert sha256_shard(p, {k: v for k, v in t.items() if k != "empty"}) == sha256_file(p)
+    digest = write_shard_atomic(t, p, metadata=meta, sha256=True)
+    assert digest == sha256_file(p)
+    prefix, order = safetensors_prefix(t, meta)
+    assert p.read_bytes()[: len(prefix)] == prefix
+    assert order[:3] == ["all.U64", "all.I64", "all.F64"] and order[-1] == "all.BOOL"
+
+    def wrong(tensors, metadata):
+        prefix, order = safetensors_prefix(tensors, metadata)
+        return prefix[:-1] + b"!", order
+
+    monkeypatch.setattr(shards, "safetensors_prefix", wrong)
+    q = tmp_path / "y.safetensors"
+    assert write_shard_atomic(t, q, sha256=True) == sha256_file(q)
+    assert write_shard_atomic(t, tmp_path / "z.safetensors") is None
+    assert safetensors_prefix(t, {"a": "1", "b": "2"}) is None  # hash-ordered keys
+
+def _direct_case(tmp_path):
+    """A shard whose large tensors start at offsets that are not multiples of 4096."""
+    g = torch.Generator().manual_seed(0)
+    t = {"a_small": torch.rand(3, generator=g),  # F32: first, shifts what follows off 4 KiB
+         "b": torch.randint(0, 255, (1111, 1000), generator=g, dtype=torch.uint8),
+         "c": torch.rand(700, 513, generator=g).to(torch.bfloat16)}
+    save_file(t, str(tmp_path / "x.safetensors"))
+    return t
+
+
+def test_direct_reads_equal_buffered_reads(tmp_path):
+    """O_DIRECT reads of tensors of 1 MiB or more (aligned spans around unaligned offsets)
+    give the same tensors, whole and by rows, as reads through the page cache; each owns
+    memory of its own."""
+    from formats.shards import DIRECT_MIN_BYTES
+
+    t = _direct_case(tmp_path)
+    assert t["b"].nbytes >= DIRECT_MIN_BYTES and read_header(tmp_path / "x.safetensors")["b"].offset % 4096
+    d, b = ShardReader(tmp_path, direct=True), ShardReader(tmp_path)
+    for name in t:
+        x = d.get("x.safetensors", name)
+        assert torch.equal(x, t[name]) and torch.equal(x, b.get("x.safetensors", name))
+        assert x.is_contiguous() and x.dtype == t[name].dtype
+    assert torch.equal(d.get("x.safetensors", "b", rows=(17, 1100)), t["b"][17:1100])
+    x = d.get("x.safetensors", "b")
+    y = d.get("x.safetensors", "b")
+    x.fill_(0)
+    assert torch.equal(y, t["b"])
+    d.close()
+    b.close()
+
+
+def test_direct_read_truncated_file_is_named(tmp_path):
+    """A file cut short inside a large tensor: the O_DIRECT read ends early and the error
+    names the tensor (the size check is bypassed here to reach the read itself)."""
+    _direct_case(tmp_path)
+    p = tmp_path / "x.safetensors"
+    r = ShardReader(tmp_path, direct=True)
+    fd, st, header, dfd = r._handle("x.safetensors")
+    if dfd is None:
+        pytest.skip("this file system has no O_DIRECT")
+    os.truncate(p, header["b"].offset + 5000)
+    r._open["x.safetensors"] = (fd, os.fstat(fd), header, dfd)
+    with pytest.raises(SourceError, match=r"cannot read tensor b from shard x.safetensors: the "
+                                          r"file ends at byte \d+ \(truncated during the run\)"):
+        r.get("x.safetensors", "b")
+    r.close()
+
+
+def test_direct_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    """Where the file system refuses O_DIRECT (tmpfs: EINVAL at open, or at the first read)
+    the reader reads through the page cache, with the same result."""
+    import errno
+
+    t = _direct_case(tmp_path)
+    real_open, real_preadv = os.open, os.preadv
+
+    def no_direct_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct_open)
+    r = ShardReader(tmp_path, direct=True)
+    assert torch.equal(r.get("x.safetensors", "b"), t["b"]) and r._open["x.safetensors"][3] is None
+    r.close()
+    monkeypatch.setattr(os, "open", real_open)
+
+    direct_fds = set()
+
+    def open_tracking(path, flags, *a):
+        fd = real_open(path, flags, *a)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def preadv_einval(fd, bufs, off):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, bufs, off)
+
+    monkeypatch.setattr(os, "open", open_tracking)
+    monkeypatch.setattr(os, "preadv", preadv_einval)
+    r = ShardReader(tmp_path, direct=True)
+    assert torch.equal(r.get("x.safetensors", "b"), t["b"]) and r._open["x.safetensors"][3] is None
+    assert torch.equal(r.get("x.safetensors", "c"), t["c"])
+    r.close()

@@ -156,6 +156,22 @@ def test_inductor_shared_global_scale_of_a_fused_group():
 
 
 @needs_cxx
+def test_inductor_block_amax_of_every_byte():
+    """The block amax is the largest magnitude byte decoded: row r holds byte r once (at a
+    different column each row, the rest of the 16-block zero), so each of the 256 e4m3 values
+    is a block's amax, NaN codes included, equal to the reference's max |w|."""
+    wq = torch.zeros(256, 128, dtype=torch.uint8)
+    rows = torch.arange(256)
+    wq[rows, (rows * 7) % 128] = rows.to(torch.uint8)
+    w8 = wq.view(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.75], [-0.5]])  # one FP8 block per 128 rows, a negative one too
+    prep = prepare_fp8(w8, scale, (128, 128), "inductor")
+    want = dequantize_fp8_block(w8, scale, (128, 128)).abs().view(256, 8, 16).amax(-1)
+    assert torch.equal(prep.block_amax.reshape(256, 8).isnan(), want.isnan())
+    assert torch.equal(prep.block_amax.reshape(256, 8).nan_to_num(), want.nan_to_num())
+
+
+@needs_cxx
 def test_inductor_nan_and_inf_show_in_amax():
     wq = torch.zeros(32, 32, dtype=torch.uint8)
     wq[5, 5] = 0xFF
