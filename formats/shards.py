@@ -7,6 +7,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +156,20 @@ DIRECT_MIN_BYTES = 1 << 20
 """Tensors of at least this many bytes are read with ``O_DIRECT`` where the file system
 allows it (:class:`ShardReader`); smaller ones (scales, norms) through the page cache."""
 _DIRECT_ALIGN = 4096  # offset, length and buffer alignment that O_DIRECT accepts on any device
+DIRECT_PARTS = 2
+DIRECT_PART_BYTES = 4 << 20
+"""An O_DIRECT read of at least ``2 * DIRECT_PART_BYTES`` is split into ``DIRECT_PARTS``
+requests issued at once (threads of :func:`_direct_pool`, GIL released in the read)."""
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _direct_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(DIRECT_PARTS, thread_name_prefix="direct-read")
+        return _POOL
 
 
 class ShardReader:
@@ -259,16 +274,32 @@ class ShardReader:
 
     def _read_direct(self, dfd: int, offset: int, nbytes: int, shard: str, name: str):
         """The bytes ``[offset, offset + nbytes)`` as a uint8 tensor viewing an aligned buffer
-        read with O_DIRECT from the aligned span around them; ``None`` when the kernel refuses
+        read with O_DIRECT from the aligned span around them, in up to
+        :data:`DIRECT_PARTS` parts read at once (one request at a time left the disk of
+        scripts/bench_convert.py at 0.8 GB/s, two at 1.3); ``None`` when the kernel refuses
         O_DIRECT for this file after all (EINVAL)."""
         a = _DIRECT_ALIGN
         lo = offset - offset % a
-        span = -(-(offset + nbytes - lo) // a) * a
+        need = offset + nbytes - lo
+        span = -(-need // a) * a
         raw = torch.empty(span + a, dtype=torch.uint8)
         pad = -raw.data_ptr() % a
+        view = memoryview(raw.numpy())[pad: pad + span]
+        parts = max(1, min(DIRECT_PARTS, need // DIRECT_PART_BYTES))
+        step = -(-need // parts // a) * a
+        cuts = [(b, min(need, b + step)) for b in range(0, need, step)]
+
+        def part(cut: tuple[int, int]) -> None:
+            b, e = cut
+            self._read_into(dfd, view[b: b + -(-(e - b) // a) * a], lo + b, e - b, shard, name,
+                            align=a)
+
         try:
-            self._read_into(dfd, memoryview(raw.numpy())[pad: pad + span], lo,
-                            offset + nbytes - lo, shard, name, align=a)
+            if len(cuts) == 1:
+                part(cuts[0])
+            else:
+                for f in [_direct_pool().submit(part, c) for c in cuts]:
+                    f.result()
         except OSError as e:
             if e.errno == errno.EINVAL:
                 return None
