@@ -164,11 +164,15 @@ def _direct_case(tmp_path):
     return t
 
 
-def test_direct_reads_equal_buffered_reads(tmp_path):
-    """O_DIRECT reads of tensors of 1 MiB or more (aligned spans around unaligned offsets)
-    give the same tensors, whole and by rows, as reads through the page cache; each owns
-    memory of its own."""
+@pytest.mark.parametrize("part_bytes", [4 << 20, 300_000])
+def test_direct_reads_equal_buffered_reads(tmp_path, monkeypatch, part_bytes):
+    """O_DIRECT reads of tensors of 1 MiB or more (aligned spans around unaligned offsets),
+    in one request or split in parts read at once, give the same tensors, whole and by rows,
+    as reads through the page cache; each owns memory of its own."""
+    import formats.shards as shards
     from formats.shards import DIRECT_MIN_BYTES
+
+    monkeypatch.setattr(shards, "DIRECT_PART_BYTES", part_bytes)
 
     t = _direct_case(tmp_path)
     assert t["b"].nbytes >= DIRECT_MIN_BYTES and read_header(tmp_path / "x.safetensors")["b"].offset % 4096
@@ -186,9 +190,14 @@ def test_direct_reads_equal_buffered_reads(tmp_path):
     b.close()
 
 
-def test_direct_read_truncated_file_is_named(tmp_path):
-    """A file cut short inside a large tensor: the O_DIRECT read ends early and the error
-    names the tensor (the size check is bypassed here to reach the read itself)."""
+@pytest.mark.parametrize("part_bytes", [4 << 20, 300_000])
+def test_direct_read_truncated_file_is_named(tmp_path, monkeypatch, part_bytes):
+    """A file cut short inside a large tensor: the O_DIRECT read (whole, or the first of its
+    parts) ends early and the error names the tensor (the size check is bypassed here to
+    reach the read itself)."""
+    import formats.shards as shards
+
+    monkeypatch.setattr(shards, "DIRECT_PART_BYTES", part_bytes)
     _direct_case(tmp_path)
     p = tmp_path / "x.safetensors"
     r = ShardReader(tmp_path, direct=True)
