@@ -213,12 +213,16 @@ class ShardReader:
             header = read_header(path)
             fd = os.open(path, os.O_RDONLY)
             dfd = None
+            st = os.fstat(fd)
             if self.direct:
                 try:
                     dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
                 except OSError:  # EINVAL: this file system has no O_DIRECT
                     dfd = None
-            h = (fd, os.fstat(fd), header, dfd)
+                if dfd is not None and (os.fstat(dfd).st_ino, os.fstat(dfd).st_dev) != (st.st_ino, st.st_dev):
+                    os.close(dfd)  # replaced between the two opens: read the file checked
+                    dfd = None
+            h = (fd, st, header, dfd)
         self._open[shard] = h
         return h
 

@@ -250,3 +250,26 @@ def test_direct_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     assert torch.equal(r.get("x.safetensors", "b"), t["b"]) and r._open["x.safetensors"][3] is None
     assert torch.equal(r.get("x.safetensors", "c"), t["c"])
     r.close()
+
+
+def test_direct_handle_is_the_checked_file(tmp_path, monkeypatch):
+    """A shard replaced (renamed over) between the plain open and the O_DIRECT open: the
+    O_DIRECT handle points at another file, so it is not used, and every tensor comes from the
+    file whose size and mtime are checked, never a mix of the two."""
+    t = _direct_case(tmp_path)
+    p = tmp_path / "x.safetensors"
+    zeros = {k: torch.zeros_like(v) for k, v in t.items()}
+    save_file(zeros, str(tmp_path / "new.safetensors"))
+    real_open = os.open
+
+    def swap_then_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            os.replace(tmp_path / "new.safetensors", p)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", swap_then_open)
+    r = ShardReader(tmp_path, direct=True)
+    assert torch.equal(r.get("x.safetensors", "b"), t["b"])
+    assert torch.equal(r.get("x.safetensors", "a_small"), t["a_small"])
+    assert r._open["x.safetensors"][3] is None
+    r.close()
