@@ -188,7 +188,8 @@ class ShardReader:
     checkpoint is read once, so the cache gains nothing, and filling it cost about 1 CPU
     second per GB read on the 2-core machine of scripts/bench_convert.py (plus, on a unified
     memory machine such as GB10, memory the GPU then lacks). Where the file system refuses
-    O_DIRECT (tmpfs, some network file systems) reads go through the page cache.
+    O_DIRECT (ramfs, tmpfs before Linux 6.6, some network file systems) reads go through the
+    page cache.
     """
 
     def __init__(self, folder: Path, max_open: int = 4,
