@@ -442,6 +442,13 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
         write_report(report, out)
         return report
 
+    def suite_done(name: str, r: dict, t0: float) -> None:
+        """A suite finished: its results and seconds under its name, the report rewritten."""
+        results[name] = r
+        timings[name] = time.time() - t0
+        done.append(name)
+        finish(False)
+
     if "kl" in suites:
         from eval.kl import teacher_forced_kl
         from eval.texts import essay_texts, texts_sha256
@@ -449,11 +456,8 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
         t0 = time.time()
         texts = essay_texts(max(20000, opts.kl_tokens * 8))
         data["essays_sha256"] = texts_sha256(texts)
-        results["kl"] = teacher_forced_kl(sides["baseline"].model, sides["build"].model, tok, texts,
-                                          opts.kl_tokens, opts.kl_window)
-        timings["kl"] = time.time() - t0
-        done.append("kl")
-        finish(False)
+        suite_done("kl", teacher_forced_kl(sides["baseline"].model, sides["build"].model, tok,
+                                           texts, opts.kl_tokens, opts.kl_window), t0)
 
     if "gsm8k" in suites:
         from eval.gsm8k import gsm8k_items, gsm8k_summary, paired_compare
@@ -476,10 +480,7 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
                            for f in ("strict-match", "flexible-extract")}
         _write_jsonl(out / "gsm8k_samples.jsonl", rows)
         r["samples_file"] = "gsm8k_samples.jsonl"
-        results["gsm8k"] = r
-        timings["gsm8k"] = time.time() - t0
-        done.append("gsm8k")
-        finish(False)
+        suite_done("gsm8k", r, t0)
 
     if "mc" in suites:
         from eval.gsm8k import paired_compare
@@ -497,10 +498,7 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
                                   for m in ("acc", "acc_norm")}}
         if "baseline" in items:
             r["paired"] = paired_compare(items["baseline"], items["build"], "acc_norm")
-        results["mc"] = r
-        timings["mc"] = time.time() - t0
-        done.append("mc")
-        finish(False)
+        suite_done("mc", r, t0)
 
     if "passkey" in suites:
         from eval.passkey import grid_summary, heatmap_png, run_passkey
@@ -516,10 +514,7 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
             r[name]["heatmap"] = f"passkey_{name}.png"
             texts_for_degenerate[name] += [x["completion"] for x in recs]
             pk_rows += [{"model": name, "kv": "default", **x} for x in recs]
-        results["passkey"] = r
-        timings["passkey"] = time.time() - t0
-        done.append("passkey")
-        finish(False)
+        suite_done("passkey", r, t0)
 
     if "kv-parity" in suites:
         t0 = time.time()
