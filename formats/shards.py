@@ -172,6 +172,21 @@ def _direct_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def _open_direct(path: Path, st: os.stat_result) -> int | None:
+    """An O_DIRECT handle on ``path`` if it is still the file ``st`` describes; ``None`` where
+    the file system has no O_DIRECT (EINVAL) or the file was replaced since (the caller then
+    reads the file it checked through the page cache)."""
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+    dst = os.fstat(dfd)
+    if (dst.st_ino, dst.st_dev) != (st.st_ino, st.st_dev):
+        os.close(dfd)
+        return None
+    return dfd
+
+
 class ShardReader:
     """Tensor reads from a folder of safetensors shards with plain positioned reads.
 
@@ -213,17 +228,8 @@ class ShardReader:
             path = self.locate(shard)
             header = read_header(path)
             fd = os.open(path, os.O_RDONLY)
-            dfd = None
             st = os.fstat(fd)
-            if self.direct:
-                try:
-                    dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                except OSError:  # EINVAL: this file system has no O_DIRECT
-                    dfd = None
-                if dfd is not None and (os.fstat(dfd).st_ino, os.fstat(dfd).st_dev) != (st.st_ino, st.st_dev):
-                    os.close(dfd)  # replaced between the two opens: read the file checked
-                    dfd = None
-            h = (fd, st, header, dfd)
+            h = (fd, st, header, _open_direct(path, st) if self.direct else None)
         self._open[shard] = h
         return h
 
@@ -468,7 +474,7 @@ def write_shard_atomic(tensors: dict[str, torch.Tensor], path: Path,
         os.chmod(tmp, 0o666 & ~_UMASK)  # readable like any other output file, not 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-            same = pre is not None and digest and f.read(len(pre[0])) == pre[0]
+            same = bool(digest) and f.read(len(pre[0])) == pre[0]  # digest: pre was predicted
             if sha256 and not same:
                 digest[:] = [sha256_file(tmp)]
             if hasattr(os, "posix_fadvise"):  # on disk now: hand its cached pages back

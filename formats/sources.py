@@ -134,8 +134,8 @@ class Source:
         self.files = files or ShardFiles(self.folder)
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
-        # O_DIRECT and read-ahead for shards already on disk; a fetched shard was just written
-        # (its bytes are in the page cache) and only the fetching thread may locate it
+        # O_DIRECT for shards already on disk; a fetched shard was just written (its bytes are
+        # in the page cache)
         self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path,
                                    direct=type(self.files) is ShardFiles)
         self.findings = self._build_logical(unreadable)
@@ -227,7 +227,8 @@ class Source:
         closed and handed to ``files.release`` (a Hub source deletes it), so only the current
         shard and its cross-shard partners stay on disk. ``files.finish()`` runs after the
         last shard."""
-        order = self.shards if shards is None else [s for s in self.shards if s in set(shards)]
+        wanted = set(self.shards if shards is None else shards)
+        order = [s for s in self.shards if s in wanted]
         reads = {s: self.reads_of(s) for s in order}
         for i, shard in enumerate(order):
             yield shard

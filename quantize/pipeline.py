@@ -111,6 +111,7 @@ def _resolve_device(device: str, world: World) -> torch.device:
         dev = torch.device("cuda", local % torch.cuda.device_count())
     return dev
 
+
 _CARRY_SKIP = frozenset({"config.json", MANIFEST_NAME, PROGRESS_NAME, "hf_quant_config.json"})
 
 
@@ -128,7 +129,6 @@ def _prepare_out(out: Path, resume: bool) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create --out {out}: {e}", key=str(out)) from None
-
 
 
 def _checked_amax(name: str, t: torch.Tensor, source: Source, nvfp4: bool) -> float | None:
@@ -339,7 +339,8 @@ class _Reader:
         would, which a fetching (Hub) source needs for its disk budget.
         """
         job, source = self.job, self.job.source
-        order = [s for s in source.shards if s in set(shards)]
+        wanted = set(shards)
+        order = [s for s in source.shards if s in wanted]  # the order source.stream yields
         for i, shard in enumerate(source.stream(shards)):
             for ahead in order[i : i + 2]:  # this shard and the next: the disk never idles
                 source.prefetch(ahead)
@@ -430,7 +431,6 @@ def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tup
     if got != want:
         diff = sorted(set(got.items()) ^ set(want.items()))[:5]
         raise OutputError(f"internal: shard {shard} does not match the planned layout: {diff}", shard=shard)
-
 
 
 def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
