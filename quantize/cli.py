@@ -183,6 +183,8 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+
+
 def _int_at_least(low: int):
     """argparse ``type``: an integer >= ``low``."""
     def parse(text: str) -> int:

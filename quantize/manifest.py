@@ -120,9 +120,6 @@ class Ledger:
     def _save(self) -> None:
         write_json_atomic({"job": self.job, "shards": self.done, "amax": self.amax}, self.path)
 
-    def finish(self) -> None:
-        self.path.unlink(missing_ok=True)
-
 
 def has_ledger(out: Path) -> bool:
     """True when ``out`` holds the resume ledger of some rank."""

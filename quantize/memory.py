@@ -32,7 +32,8 @@ for it then come from the heap and are reused weight after weight; served by a f
 each, every page of them is faulted in and zeroed again, which measured as much CPU as the
 quantization arithmetic itself (scripts/bench_convert.py). Larger tensors are still mapped
 and unmapped on their own, and ``release_freed_memory`` after each shard returns the heap's
-free pages, so peak RSS stays flat in the number of shards (FC-04)."""
+free pages beyond what the next shards reuse, so peak RSS stays flat in the number of shards
+(FC-04)."""
 
 
 def bound_allocator(mmap_threshold: int = 1 << 20, one_arena: bool = False) -> None:
