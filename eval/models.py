@@ -180,6 +180,13 @@ def dequantized_reference_state(folder: str | Path,
     raw: dict[str, torch.Tensor] = {}
     for shard in shards:
         raw.update(load_file(str(shard)))
+    return _dequantize_nvfp4_state(raw, weight_dtype)
+
+
+def _dequantize_nvfp4_state(raw: dict[str, torch.Tensor],
+                            weight_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """:func:`dequantized_reference_state` of tensors already in memory (compressed-tensors
+    names)."""
     state, groups = {}, {}
     for name, t in raw.items():
         suffix = next((s for s in _NVFP4 if name.endswith(s)), None)
@@ -309,6 +316,8 @@ def load_modelopt_build(folder: str | Path, dtype: torch.dtype = torch.float32):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from formats import modelopt
+
     folder = Path(folder)
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg_dict.pop("quantization_config", None)
@@ -317,18 +326,21 @@ def load_modelopt_build(folder: str | Path, dtype: torch.dtype = torch.float32):
     raw: dict[str, torch.Tensor] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         raw.update(load_file(str(shard)))
-    state, problems = {}, []
-    for name, t in raw.items():
-        if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")):
-            continue
-        if name.endswith(".weight") and t.dtype == torch.uint8:
-            m = name[: -len(".weight")]
-            if f"{m}.weight_scale" not in raw or f"{m}.weight_scale_2" not in raw:
-                problems.append(f"packed {name} without {m}.weight_scale / .weight_scale_2")
-                continue
-            g = 1.0 / raw[f"{m}.weight_scale_2"].float().reshape(1)
-            t = dequantize_nvfp4(t, raw[f"{m}.weight_scale"], g)
-        state[name] = t.to(dtype)
+    packed = {n[: -len(".weight")] for n, t in raw.items() if n.endswith(".weight") and t.dtype == torch.uint8}
+    whole = {m for m in packed if f"{m}.weight_scale" in raw and f"{m}.weight_scale_2" in raw}
+    problems = [f"packed {m}.weight without {m}.weight_scale / .weight_scale_2"
+                for m in sorted(packed - whole)]
+    weights = {}
+    for n, t in raw.items():
+        if n.endswith((".input_scale", ".k_scale", ".v_scale")):
+            continue  # activation and KV-cache scales are not weights
+        if n.rsplit(".", 1)[0] in packed:
+            if n.rsplit(".", 1)[0] in whole:  # the NVFP4 triple, dequantized below
+                weights[n] = t
+        elif not n.endswith((".weight_scale", ".weight_scale_2")):
+            weights[n] = t
+    state = {n: t.to(dtype) for n, t in _dequantize_nvfp4_state(
+        modelopt.to_compressed_tensors(weights), dtype).items()}
     result = model.load_state_dict(state, strict=False)
     tied = model.get_output_embeddings() is not None and (
         model.get_output_embeddings().weight is model.get_input_embeddings().weight)
