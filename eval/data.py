@@ -79,7 +79,7 @@ def export_dataset(name: str, cache_dir: str | Path) -> tuple[Path, str]:
 
     One JSON object per line (``json.dumps`` with ``ensure_ascii=False, sort_keys=True``),
     UTF-8, ``\\n`` line ends. An existing export is reused when its bytes hash to the
-    sha256 in its name's sidecar; otherwise it is rewritten (temp file, then rename).
+    same sha256 as a fresh export's; otherwise it is rewritten (temp file, then rename).
 
     Returns:
         ``(path to <name>.jsonl, hex sha256 of its bytes)``.
