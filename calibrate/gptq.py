@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from quantize import archs
+
 __all__ = ["convert_gptq"]
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +89,7 @@ def _main(argv=None) -> int:  # runs inside the llm-compressor environment
     tok = _tokenizer(src)
     cfg = json.loads((src / "config.json").read_text())
     calib = build_calib_set(a.dataset, tok, samples=a.samples, seq_len=a.seq_len, seed=a.seed,
-                            vocab_size=(cfg.get("text_config") or cfg).get("vocab_size"))
+                            vocab_size=archs.text_config(cfg).get("vocab_size"))
     ds = Dataset.from_dict({"input_ids": [s[0].tolist() for s in calib.sequences],
                             "attention_mask": [[1] * s.shape[1] for s in calib.sequences]})
     model = load_source_model(src, dtype=torch.float32)

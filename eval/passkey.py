@@ -35,7 +35,7 @@ def _filler_sentences(filler: str) -> list[str]:
     if filler == "classic":
         return [s + ". " for s in _CLASSIC.split(". ") if s.strip(". ")]
     if filler == "essays":
-        from eval.texts import essay_texts
+        from quantize.data.texts import essay_texts
 
         text = " ".join(" ".join(essay_texts(200_000)).split())
         return [s.strip() + ". " for s in text.split(". ") if s.strip()]

@@ -47,7 +47,7 @@ def _incomplete(scope: dict | None) -> str:
 
 
 def gate_reason(checks: list[dict], complete: bool, scope: dict | None = None) -> str:
-    """The gate verdict in one line, as ``quantize upload`` quotes it (``quantize.card.read_gate``):
+    """The gate verdict in one line, as ``quantize upload`` quotes it (``quantize.hub.card.read_gate``):
     the failed checks of severity ``fail``, else why the run is incomplete, else
     ``all checks within thresholds``."""
     failed = [c for c in checks if not c["passed"] and c["severity"] == "fail"]
@@ -79,7 +79,7 @@ _CARD_DATASETS = {
 
 def card_results(suites: dict, limit: int | None = None) -> dict:
     """The build's headline numbers per task, ``{task: {metric: value, "dataset": {...}}}``, the
-    shape ``quantize.card`` turns into the model card's ``model-index`` (huggingface_hub
+    shape ``quantize.hub.card`` turns into the model card's ``model-index`` (huggingface_hub
     ``EvalResult``). GSM8K metric names follow lm-eval (``exact_match,strict-match``). With a
     ``limit`` the split says so in the Hub's slice syntax (``test[:5]``)."""
     out = {}

@@ -8,7 +8,7 @@ import torch
 
 from eval.kl import teacher_forced_kl
 from eval.models import dequantized_reference_state, load_build_model, load_source_model
-from eval.texts import essay_texts, texts_sha256
+from quantize.data.texts import essay_texts, texts_sha256
 
 __all__ = ["DEMO_PROMPT", "generate", "reference_logit_gap", "showcase"]
 

@@ -37,11 +37,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from quantize import archs
+
 __all__ = ["SUITES", "ARTIFACTS", "EvalOptions", "Preflight", "preflight", "run_eval"]
 
 SUITES = ("kl", "gsm8k", "mc", "passkey", "kv-parity")
 IN_PROCESS_ONLY = ("kl", "mc", "kv-parity")
-KV_DTYPES = ("bf16", "fp8", "nvfp4")
 ARTIFACTS = ("report.json", "report.md", "gsm8k_samples.jsonl", "passkey_records.jsonl",
              "passkey_*.png", "tasks/spark_gsm8k.yaml", "tasks/spark_arc_challenge.yaml")
 """Files (globs, relative to the report folder) a run writes; the only ones a run removes."""
@@ -105,9 +106,9 @@ class EvalOptions:
             raise ValueError(f"--passkey-lengths must be token counts >= 1, got {self.passkey_lengths}")
         if not self.passkey_depths or any(not 0 <= d <= 100 for d in self.passkey_depths):
             raise ValueError(f"--passkey-depths must be percentages 0..100, got {self.passkey_depths}")
-        bad = [d for d in self.kv_dtypes if d not in KV_DTYPES]
+        bad = [d for d in self.kv_dtypes if d not in archs.KV_DTYPES]
         if bad or not self.kv_dtypes:
-            raise ValueError(f"--kv-dtypes: unknown {bad or 'empty list'}; choose from {', '.join(KV_DTYPES)}")
+            raise ValueError(f"--kv-dtypes: unknown {bad or 'empty list'}; choose from {', '.join(archs.KV_DTYPES)}")
 
 
 def _sha256_file(path: Path) -> str | None:
@@ -171,10 +172,6 @@ def _served_model(url: str) -> str:
         raise OSError(f"endpoint {url}: {base}/models did not list a model ({e})") from None
 
 
-def _text_config(cfg: dict) -> dict:
-    return cfg.get("text_config") or cfg
-
-
 def _passkey_lengths(model_config: dict, opts: EvalOptions) -> list[int]:
     """``opts.passkey_lengths``, or 1k, 2k, 4k, ... up to the context (at most 32k).
 
@@ -182,7 +179,7 @@ def _passkey_lengths(model_config: dict, opts: EvalOptions) -> list[int]:
         ValueError: a length plus the answer does not fit the model's context
             (``max_position_embeddings``), or the context is below 1024 with no lengths given.
     """
-    ctx = _text_config(model_config).get("max_position_embeddings")
+    ctx = archs.text_config(model_config).get("max_position_embeddings")
     if opts.passkey_lengths:
         room = int(ctx) - PASSKEY_ANSWER_TOKENS if ctx else None
         over = [n for n in opts.passkey_lengths if room is not None and n > room]
@@ -296,7 +293,7 @@ def preflight(build: str | Path, baseline: str | Path | None, opts: EvalOptions,
         ValueError / OSError: as listed in :func:`run_eval`.
     """
     from eval.gate import load_thresholds
-    from quantize.manifest import MANIFEST_NAME
+    from formats.manifest import MANIFEST_NAME
 
     opts.check()
     suites = list(opts.suites)
@@ -314,8 +311,8 @@ def preflight(build: str | Path, baseline: str | Path | None, opts: EvalOptions,
                          "the build with itself; give the FP8 source (or another reference) as --baseline")
     build_cfg = json.loads((build / "config.json").read_text())
     if base is not None and not baseline_endpoint:
-        vb = _text_config(build_cfg).get("vocab_size")
-        va = _text_config(json.loads((base / "config.json").read_text())).get("vocab_size")
+        vb = archs.text_config(build_cfg).get("vocab_size")
+        va = archs.text_config(json.loads((base / "config.json").read_text())).get("vocab_size")
         if va and vb and va != vb:
             raise ValueError(f"vocabulary sizes differ: baseline {va} ({base}), build {vb} ({build}); "
                              "the build is scored with its own tokenizer against a baseline of the same model")
@@ -354,9 +351,13 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
         All of these are raised before anything is written or any model is loaded.
     """
     from eval.degenerate import degenerate_summary
-    from eval.gate import gate_checks, gate_passed, release_scope, skipped_without_baseline
-    from eval.report import card_results, gate_reason
-    from eval.report import write_report
+    from eval.gate import (
+        gate_checks,
+        gate_passed,
+        release_scope,
+        skipped_without_baseline,
+    )
+    from eval.report import card_results, gate_reason, write_report
 
     opts = opts or EvalOptions()
     pre = preflight(build, baseline, opts, baseline_endpoint)
@@ -451,7 +452,7 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
 
     if "kl" in suites:
         from eval.kl import teacher_forced_kl
-        from eval.texts import essay_texts, texts_sha256
+        from quantize.data.texts import essay_texts, texts_sha256
 
         t0 = time.time()
         texts = essay_texts(max(20000, opts.kl_tokens * 8))
@@ -559,9 +560,14 @@ def _kv_parity(side, tok, opts, out, task_dir, pk_prompts, pk_rows, data, chat, 
     from eval.gsm8k import gsm8k_items, gsm8k_summary
     from eval.harness import GSM8K_TASK, evaluate
     from eval.kl import teacher_forced_kl, token_windows
-    from eval.kvcache import calibrate_scales, kv_bytes_per_token, kv_cache_factory, scales_from_build
+    from eval.kvcache import (
+        calibrate_scales,
+        kv_bytes_per_token,
+        kv_cache_factory,
+        scales_from_build,
+    )
     from eval.passkey import grid_summary, heatmap_png, run_passkey
-    from eval.texts import essay_texts, texts_sha256
+    from quantize.data.texts import essay_texts, texts_sha256
 
     model = side.model
     texts = essay_texts(max(20000, opts.kl_tokens * 8))

@@ -7,7 +7,7 @@ No scale math here beyond packing, renaming and reciprocals; the numbers come fr
 from enum import Enum
 from types import ModuleType
 
-__all__ = ["OutputFormat", "get_writer"]
+__all__ = ["FORMATS", "OutputFormat", "SCHEMES", "get_writer"]
 
 
 class OutputFormat(str, Enum):
@@ -15,6 +15,13 @@ class OutputFormat(str, Enum):
 
     COMPRESSED_TENSORS = "compressed-tensors"
     MODELOPT = "modelopt"
+
+
+FORMATS = tuple(f.value for f in OutputFormat)
+"""``--format`` names, the default first."""
+
+SCHEMES = ("w4a16", "w4a4")
+"""``--scheme`` names: weight-only NVFP4, or NVFP4 weights and activations (input scales)."""
 
 
 def get_writer(name: str) -> ModuleType:

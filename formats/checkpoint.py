@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from formats.shards import TensorInfo, discard, is_temp_name, read_header
-from quantize.errors import Finding, OutputError, SourceError, raise_findings
+from quantize.base.errors import Finding, OutputError, SourceError, raise_findings
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "trusted_root", "scan_index", "load_index",
            "scan_headers", "read_all_headers", "write_json_atomic", "write_index", "carry_plan",

@@ -33,7 +33,11 @@ import re
 
 import compressed_tensors
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    preset_name_to_scheme,
+)
 
 from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
 

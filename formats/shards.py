@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from quantize.errors import OutputError, SourceError
+from quantize.base.errors import OutputError, SourceError
 
 __all__ = ["TensorInfo", "read_header", "ShardReader", "write_shard_atomic", "sha256_file",
            "safetensors_prefix", "DIRECT_MIN_BYTES", "prefetch_file", "DTYPE_BYTES", "TORCH_DTYPES", "dtype_name", "discard",

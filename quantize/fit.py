@@ -12,7 +12,7 @@ has one GPU, so by default TP = nodes and a rank has the whole node)::
 
 the shape of vLLM's ``determine_available_memory`` (``available_kv = total × util −
 peak``, vllm/v1/worker/gpu_worker.py) and its block rounding (eval_anchors.md 6.2). Bytes per
-token and per sequence come from ``quantize.kvcache``. A session of length ``n`` (128k =
+token and per sequence come from ``quantize.archs.kvcache``. A session of length ``n`` (128k =
 128,000 input tokens, the seeds' convention) needs ``n + answer`` tokens plus its fixed
 per-sequence state (KDA, indexer tail) expressed in tokens, so a pool holds
 ``pool_tokens / (n + answer + state_tokens)`` of them. The verdict is vLLM's startup check:
@@ -39,13 +39,13 @@ from pathlib import Path
 
 from formats.checkpoint import load_index, read_all_headers
 from formats.compressed_tensors import FORMAT_NAME as CT_NVFP4_FORMAT
+from formats.manifest import MANIFEST_NAME
 from formats.shards import TensorInfo
 from formats.sources import open_source
 from quantize import archs
-from quantize.kvcache import KVDtype, KVModel, kv_model
-from quantize.manifest import MANIFEST_NAME
-from quantize.plan import plan_tensors, predict_outputs
-from quantize.recipe import load_recipe
+from quantize.archs.kvcache import KVDtype, KVModel, kv_model
+from quantize.plan.recipe import load_recipe
+from quantize.plan.tensors import plan_tensors, predict_outputs
 
 __all__ = ["GIB", "SESSION_INPUTS", "Reserve", "Draft", "parse_draft", "parse_size",
            "BuildTensors", "build_tensors", "sessions", "WeightTerm", "FitReport", "plan_fit"]
@@ -335,7 +335,7 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
             GB10, eval_anchors.md 6.1).
         tp: tensor-parallel size, a multiple of ``nodes`` (default ``nodes``).
         mem_util: vLLM ``gpu_memory_utilization``.
-        kv_dtype: bf16, fp8 or nvfp4 (records in ``quantize.kvcache``).
+        kv_dtype: bf16, fp8 or nvfp4 (records in ``quantize.archs.kvcache``).
         max_model_len: tokens of the longest request (default: ``max_position_embeddings``).
         draft: ``none``, ``mtp`` or ``external:SIZE[,kv=BYTES]`` (``parse_draft``).
         answer_tokens: tokens generated per session on top of its input.

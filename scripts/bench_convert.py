@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantize.fixtures import write_synthetic_fp8  # noqa: E402
+from quantize.data.fixtures import write_synthetic_fp8  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 GIB_306 = 306 * 2**30
@@ -65,7 +65,7 @@ import torch
 import formats.compressed_tensors  # the writer's imports (compressed-tensors, transformers)
 from quantize.kernels.fused import MIN_COMPILED_ELEMENTS, choose_backend, prepare_fp8
 from quantize.kernels.nvfp4 import global_scale_from_amax
-from quantize.pipeline import convert
+from quantize.convert.pipeline import convert
 
 def peak_rss():  # VmHWM is reset by exec, unlike ru_maxrss
     status = open("/proc/self/status").read()
@@ -129,7 +129,7 @@ model_free_ptq(src, out, scheme="NVFP4A16", ignore=["lm_head", "re:.*embed_token
 print(json.dumps({"seconds": time.perf_counter() - t0}))
 """
 
-# (group shown, thread, stage names as quantize.pipeline's StageClock records them)
+# (group shown, thread, stage names as quantize.convert.pipeline's StageClock records them)
 STAGES = [
     ("read", "reader", ["read"]),
     ("dequant + quantize", "reader", ["dequant + amax"]),

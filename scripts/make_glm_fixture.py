@@ -7,7 +7,7 @@ GLM-5 (``glm_moe_dsa``) or DeepSeek-V3 (``deepseek_v3``).
 ``tiny`` writes real block-FP8 shards (seconds); ``full`` writes a header-only descriptor of
 the full-size release (names, dtypes, shapes; no data) for ``quantize recipe show`` and
 fit planning. Names and shapes come from the real transformers classes
-(``quantize.fixtures.release_tensors``).
+(``quantize.data.fixtures.release_tensors``).
 """
 
 import argparse
@@ -16,7 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantize.fixtures import RELEASE_MODEL_TYPES, write_release_descriptor, write_release_fixture  # noqa: E402
+from quantize.data.fixtures import (  # noqa: E402
+    RELEASE_MODEL_TYPES,
+    write_release_descriptor,
+    write_release_fixture,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

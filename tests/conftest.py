@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from formats.manifest import MANIFEST_NAME
 from quantize.kernels.fp8 import quantize_fp8_block
-from quantize.manifest import MANIFEST_NAME
+
 
 def ct_nvfp4_reference(w: torch.Tensor, amax: torch.Tensor | None = None):
     """compressed-tensors' own NVFP4 path on float32 ``w`` [N, K]: ``generate_gparam`` (over
@@ -16,7 +17,10 @@ def ct_nvfp4_reference(w: torch.Tensor, amax: torch.Tensor | None = None):
     ``quantize_and_pack_fp4``. Returns (packed u8, block scale e4m3, global scale f32 [1])."""
     from compressed_tensors.compressors.nvfp4.helpers import quantize_and_pack_fp4
     from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+    from compressed_tensors.quantization.utils.helpers import (
+        calculate_qparams,
+        generate_gparam,
+    )
 
     args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16,
                             symmetric=True, scale_dtype=torch.float8_e4m3fn)
@@ -122,7 +126,7 @@ def tiny_fp8_llama(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def demo_src(tmp_path_factory) -> Path:
     """The real demo source (SmolLM2-135M-Instruct as 3-shard block FP8), built once."""
-    from quantize.demo import build_demo
+    from quantize.data.demo import build_demo
 
     return build_demo(tmp_path_factory.mktemp("cache"))
 
@@ -130,7 +134,7 @@ def demo_src(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_build(demo_src, tmp_path_factory) -> Path:
     """The demo source converted to NVFP4 (compressed-tensors), once per session."""
-    from quantize.pipeline import convert
+    from quantize.convert.pipeline import convert
 
     out = tmp_path_factory.mktemp("demo") / "nvfp4"
     convert(demo_src, out, progress=False, device="cpu")
@@ -140,7 +144,7 @@ def demo_build(demo_src, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def glm5_next_src(tmp_path_factory) -> Path:
     """Tiny GLM-5.3-Flash (``glm5_next``) FP8 release fixture, built once per session."""
-    from quantize.fixtures import write_release_fixture
+    from quantize.data.fixtures import write_release_fixture
 
     return write_release_fixture(tmp_path_factory.mktemp("glm5_next") / "src", "glm5_next")
 
@@ -162,7 +166,7 @@ def assert_same_build(a: Path, b: Path, same_source: bool = True) -> None:
 def killed_at_write(monkeypatch, n: int):
     """Make the converter's ``n``-th shard write raise KeyboardInterrupt (a kill while that
     shard is written); ``monkeypatch.undo()`` lets the next run write again."""
-    import quantize.pipeline as pl
+    import quantize.convert.pipeline as pl
 
     real, calls = pl.write_shard_atomic, {"n": 0}
 

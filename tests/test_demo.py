@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantize import demo
-from quantize.demo import build_demo, demo_gguf_path
+from quantize.data import demo
+from quantize.data.demo import build_demo, demo_gguf_path
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128]}

@@ -5,14 +5,14 @@ import json
 
 import pytest
 import torch
+from conftest import ct_nvfp4_reference
 from safetensors import safe_open
 
 from eval.kl import teacher_forced_kl
 from eval.models import load_build_model, load_source_model
 from eval.showcase import DEMO_PROMPT, generate, reference_logit_gap
-from eval.texts import essay_texts
 from formats.sources import open_source
-from conftest import ct_nvfp4_reference
+from quantize.data.texts import essay_texts
 
 SAMPLE = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
           "model.layers.7.mlp.gate_proj", "model.layers.7.mlp.up_proj",

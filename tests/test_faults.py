@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BLOCK_FP8_QC, edit_json, edit_shard, write_checkpoint
 from safetensors.torch import load_file
 
-from conftest import BLOCK_FP8_QC, edit_json, edit_shard, write_checkpoint
 from formats.checkpoint import INDEX_NAME
+from formats.manifest import MANIFEST_NAME, PROGRESS_NAME
 from formats.shards import read_header
 from quantize.cli import main
+from quantize.convert.pipeline import convert
 from quantize.kernels.fp8 import quantize_fp8_block
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
-from quantize.pipeline import convert
 
 REPO = Path(__file__).resolve().parents[1]
 S1, S2, S3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
@@ -386,7 +386,7 @@ def test_too_little_space_refused_up_front(tmp_path, tiny_fp8_llama, tmpfs, caps
 
 
 def _failing_on_second_shard(monkeypatch, action):
-    import quantize.pipeline as pl
+    import quantize.convert.pipeline as pl
 
     real, calls = pl.write_shard_atomic, {"n": 0}
 
@@ -480,7 +480,7 @@ def test_ctrl_c_corrupt_ledger_and_damaged_finished_shard(tmp_path, tiny_fp8_lla
 # fully written and not yet renamed; the parent then sends SIGKILL. No hook in the product.
 CHILD = """
 import os, signal, sys
-from quantize.pipeline import convert
+from quantize.convert.pipeline import convert
 k, calls, real = int(sys.argv[3]), [0], os.replace
 def replace(a, b):
     calls[0] += 1
@@ -558,7 +558,7 @@ def test_tokens_never_reach_console_manifest_or_files(tmp_path, tiny_fp8_llama, 
         assert token.encode() not in f.read_bytes(), f.name
     import logging
 
-    import quantize.pipeline as pl
+    import quantize.convert.pipeline as pl
 
     def chatty(*a, **k):
         log = logging.getLogger("spark_quant.test")

@@ -15,7 +15,12 @@ Conventions:
 import torch
 
 from quantize.kernels.dtypes import E4M3_MAX
-from quantize.kernels.nvfp4 import dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4, scale_2_from_amax
+from quantize.kernels.nvfp4 import (
+    dequantize_nvfp4,
+    global_scale_from_amax,
+    quantize_nvfp4,
+    scale_2_from_amax,
+)
 
 __all__ = ["input_global_scale_from_amax", "input_scale_from_amax", "fp8_kv_scale_from_amax",
            "fake_quantize_nvfp4_activation"]

@@ -40,15 +40,20 @@ import sys
 
 import torch
 
+from quantize.kernels import BACKENDS
 from quantize.kernels.dtypes import NVFP4_GROUP_SIZE
 from quantize.kernels.fp8 import dequantize_fp8_block
-from quantize.kernels.nvfp4 import (nvfp4_block_scale, nvfp4_block_scale_scale2, quantize_nvfp4,
-                                    quantize_nvfp4_scale2)
+from quantize.kernels.nvfp4 import (
+    nvfp4_block_scale,
+    nvfp4_block_scale_scale2,
+    quantize_nvfp4,
+    quantize_nvfp4_scale2,
+)
+from quantize.kernels.prepared import Prepared
 
 __all__ = ["BACKENDS", "MIN_COMPILED_ELEMENTS", "ORDERS", "Prepared", "choose_backend",
            "decode_e4m3", "e2m1_codes", "prepare_float", "prepare_fp8"]
 
-BACKENDS = ("auto", "reference", "inductor", "triton")
 ORDERS = ("global", "scale_2")
 """Arithmetic orders: compressed-tensors' (``quantize_nvfp4``, quantize-direction global
 scale) and nvidia-modelopt's (``quantize_nvfp4_scale2``, dequant-direction ``scale_2``)."""
@@ -207,23 +212,6 @@ def choose_backend(requested: str, device: torch.device, numel: int | None = Non
 
 
 # ---- prepared weights ------------------------------------------------------------------------
-
-class Prepared:
-    """One weight ready to quantize: ``amax`` (max |w|, 0-dim float32; NaN or inf when the
-    weight holds non-finite values), then ``quantize(scalar)`` ->
-    ``(packed uint8 [N, K/2], block_scale float8_e4m3fn [N, K/16])`` on the CPU, where
-    ``scalar`` is the global scale (order ``global``, float32 [1]) or ``scale_2`` (order
-    ``scale_2``, 0-dim float32) of the tensor or its fused group."""
-
-    amax: torch.Tensor
-    order: str = "global"
-
-    def quantize(self, scalar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _scalar(self, scalar: torch.Tensor) -> torch.Tensor:
-        return scalar.to(torch.float32).reshape(() if self.order == "scale_2" else (1,))
-
 
 class _Reference(Prepared):
     def __init__(self, w: torch.Tensor, device: torch.device, order: str):

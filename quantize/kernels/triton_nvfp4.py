@@ -13,9 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from quantize.kernels.dtypes import (CT_ZERO_BLOCK_SCALE, E2M1_MAX, E4M3_MAX,
-                                     E4M3_MIN_SUBNORMAL, NVFP4_GROUP_SIZE)
-from quantize.kernels.fused import Prepared
+from quantize.kernels.dtypes import (
+    CT_ZERO_BLOCK_SCALE,
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    NVFP4_GROUP_SIZE,
+)
+from quantize.kernels.prepared import Prepared
 
 __all__ = ["TritonFp8", "fp8_to_nvfp4_triton"]
 

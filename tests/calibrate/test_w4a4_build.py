@@ -7,17 +7,17 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tiny_models import build_tiny
 
 from calibrate import calibrate_sequences
 from calibrate.data import CalibSet
-from calibrate.stats import CalibStats
-from quantize.calib_check import check_activation_scales
+from formats.calib_stats import CalibStats
+from quantize.base.errors import CalibrationError
 from quantize.cli import main
-from quantize.errors import CalibrationError
+from quantize.convert.pipeline import convert
+from quantize.inspect.calib_check import check_activation_scales
 from quantize.kernels.act_scales import fp8_kv_scale_from_amax
 from quantize.kernels.nvfp4 import global_scale_from_amax
-from quantize.pipeline import convert
-from tiny_models import build_tiny
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_modelopt_w4a4_input_scale_and_kv_scales(llama, tmp_path):
     """ModelOpt W4A4: ``input_scale`` = amax_in / 2688 (0-dim, dequant direction, formats_spec.md
     B.2.1), one per fused group; quant_algo NVFP4; k/v scales as ``k_proj.k_scale``; weights the
     same bytes as the weight-only ModelOpt build; the build passes ``quantize check``."""
-    from quantize.check import check_build
+    from quantize.inspect.check import check_build
     from quantize.kernels.nvfp4 import scale_2_from_amax
 
     _, src, _, stats, stats_dir = llama
@@ -197,7 +197,7 @@ def test_check_build_runs_the_calibration_rules(llama, tmp_path):
     one module's input_global_scale fails with rule ``calibration``."""
     from safetensors.torch import save_file
 
-    from quantize.check import check_build
+    from quantize.inspect.check import check_build
 
     _, src, _, _, stats_dir = llama
     out = tmp_path / "b"
@@ -217,8 +217,9 @@ def test_fast_kernel_and_workers_write_the_reference_calibrated_build(llama, tmp
     """W4A4 input scales and FP8 KV scales through the compiled kernel in two worker
     processes: the single-process reference build's bytes. The block-scale search (mse) runs
     the reference arithmetic whatever the kernel, so it matches too."""
-    from quantize.kernels.fused import _has_cxx
     from conftest import assert_same_build
+
+    from quantize.kernels.fused import _has_cxx
 
     _, src, _, _, stats_dir = llama
     kernel = "inductor" if _has_cxx() else "reference"

@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 
 import torch
+from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
 from safetensors.torch import load_file
 
-from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
 from formats.sources import open_source
 
 

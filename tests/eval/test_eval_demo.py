@@ -61,7 +61,7 @@ def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, de
     assert "**Gate: PASSED**" in md and "**Not a release gate**" in md and "-0 " not in md
     assert "Note: 5 problems are too few to judge accuracy by" in md
     # quantize upload reads this report: its verdict and the card's model-index numbers.
-    from quantize.card import read_gate, render_card
+    from quantize.hub.card import read_gate, render_card
 
     assert read_gate(r) == (False, "passed on a partial run, not a release gate (--limit 5: only the "
                                    "first 5 problems of each set were scored)")
@@ -128,6 +128,6 @@ def test_corrupted_fused_group_scale_fails_the_gate(demo_build, demo_src, tmp_pa
     assert r["suites"]["kl"]["mean_kl"] > 5  # measured 8.99 nats, top-1 11 %
     err = capsys.readouterr().err
     assert "FAIL kl.mean_kl" in err and "off by" in err
-    from quantize.card import read_gate
+    from quantize.hub.card import read_gate
 
     assert read_gate(r)[1].startswith("failed: kl.mean_kl ")

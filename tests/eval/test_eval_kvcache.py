@@ -3,11 +3,23 @@
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from eval.kl import teacher_forced_kl
-from eval.kvcache import (bf16_roundtrip, calibrate_scales, fp8_roundtrip, kv_bytes_per_token,
-                          kv_cache_factory, nvfp4_roundtrip, scales_from_build)
+from eval.kvcache import (
+    bf16_roundtrip,
+    calibrate_scales,
+    fp8_roundtrip,
+    kv_bytes_per_token,
+    kv_cache_factory,
+    nvfp4_roundtrip,
+    scales_from_build,
+)
 from quantize.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4, unpack_e2m1
 
 

@@ -9,8 +9,8 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from eval.models import load_model
-from quantize.demo import fp8_source_from_gguf
-from quantize.pipeline import convert
+from quantize.convert.pipeline import convert
+from quantize.data.demo import fp8_source_from_gguf
 
 
 def test_untied_gguf_model_becomes_fp8_source_and_build(tmp_path, demo_src, monkeypatch):

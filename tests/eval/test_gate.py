@@ -2,8 +2,14 @@
 
 import pytest
 
-from eval.gate import (DEFAULT_THRESHOLDS, gate_checks, gate_passed, load_thresholds, release_scope,
-                       skipped_without_baseline)
+from eval.gate import (
+    DEFAULT_THRESHOLDS,
+    gate_checks,
+    gate_passed,
+    load_thresholds,
+    release_scope,
+    skipped_without_baseline,
+)
 from eval.report import gate_lines, gate_reason, render_markdown
 
 

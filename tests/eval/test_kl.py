@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.kl import teacher_forced_kl, token_windows
 from eval.models import dequantized_reference_state, load_build_model, load_source_model
-from eval.texts import essay_texts, texts_sha256
+from quantize.data.texts import essay_texts, texts_sha256
 from quantize.kernels.fp8 import quantize_fp8_block
 
 VOCAB = 128
@@ -127,7 +127,7 @@ def test_load_source_model_reports_unexpected(model, tmp_path):
 
 
 def test_build_model_matches_own_dequantization(model, tmp_path):
-    from quantize import convert
+    from quantize.convert.pipeline import convert
 
     write_fp8_source(tmp_path / "src", model)
     convert(tmp_path / "src", tmp_path / "build", device="cpu", progress=False)

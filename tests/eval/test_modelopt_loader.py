@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval.models import dequantized_reference_state, load_model
-from quantize import convert
+from quantize.convert.pipeline import convert
 
 
 def test_modelopt_layout_loads_to_the_same_weights(tiny_fp8_llama, tmp_path):

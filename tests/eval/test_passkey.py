@@ -3,7 +3,15 @@
 import pytest
 from transformers import AutoTokenizer
 
-from eval.passkey import QUESTION, TASK, grid_summary, heatmap_png, make_prompts, prompts_sha256, score
+from eval.passkey import (
+    QUESTION,
+    TASK,
+    grid_summary,
+    heatmap_png,
+    make_prompts,
+    prompts_sha256,
+    score,
+)
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,17 @@ import pickle
 
 import pytest
 import torch
-
 from conftest import write_checkpoint
-from formats.checkpoint import INDEX_NAME, carry_files, carry_plan, load_index, scan_index
+
+from formats.checkpoint import (
+    INDEX_NAME,
+    carry_files,
+    carry_plan,
+    load_index,
+    scan_index,
+)
 from formats.sources import open_source
-from quantize.errors import OutputError, SourceError
+from quantize.base.errors import OutputError, SourceError
 
 
 def with_index_entry(src, value):
@@ -79,7 +85,7 @@ def test_every_index_problem_reported_at_once(tmp_path):
 def test_pickles_are_never_unpickled_nor_copied(tmp_path):
     """A pickle that would run code on load sits next to safetensors weights: the conversion
     ignores it (never opened), does not carry it, and says so."""
-    from quantize.pipeline import convert
+    from quantize.convert.pipeline import convert
 
     marker = tmp_path / "pwned"
 

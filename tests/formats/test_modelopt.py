@@ -6,14 +6,19 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
+
 from formats import compressed_tensors, modelopt
+from quantize.convert.pipeline import convert
 from quantize.kernels.fp8 import dequantize_fp8_block, quantize_fp8_block
 from quantize.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8
-from quantize.kernels.nvfp4 import (dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4,
-                                    quantize_nvfp4_scale2, scale_2_from_amax)
-from quantize.pipeline import convert
+from quantize.kernels.nvfp4 import (
+    dequantize_nvfp4,
+    global_scale_from_amax,
+    quantize_nvfp4,
+    quantize_nvfp4_scale2,
+    scale_2_from_amax,
+)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -154,7 +159,7 @@ def test_fc25_ignore_key_and_exclude_modules(tmp_path):
     """FC-25: ModelOpt config.json carries ``ignore`` (quant_method modelopt), hf_quant_config
     carries ``exclude_modules`` + group_size 16, identical sets; CT carries ``ignore`` with
     format nvfp4-pack-quantized. A build with exclude_modules only in config.json is refused."""
-    from quantize.check import check_build
+    from quantize.inspect.check import check_build
 
     t = {"model.embed_tokens.weight": torch.randn(64, 64).bfloat16(), "lm_head.weight": torch.randn(64, 64).bfloat16()}
     t.update(fp8_pair("model.layers.0.mlp.down_proj", torch.randn(64, 64) * 0.1))

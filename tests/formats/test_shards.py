@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from formats.shards import ShardReader, read_header
-from quantize.errors import SourceError
+from quantize.base.errors import SourceError
 
 
 def raw_shard(path, header: dict, data: bytes = b"", hlen: int | None = None):
@@ -85,7 +85,7 @@ def test_shard_truncated_while_open_is_an_error_not_sigbus(tmp_path):
     code = (
         "import os, sys; from pathlib import Path\n"
         "from formats.shards import ShardReader\n"
-        "from quantize.errors import SourceError\n"
+        "from quantize.base.errors import SourceError\n"
         f"d = Path({str(tmp_path)!r}); r = ShardReader(d)\n"
         "r.get('x.safetensors', 'a')\n"
         "os.truncate(d / 'x.safetensors', 256 * 256 * 4)\n"
@@ -127,7 +127,12 @@ def test_shard_digest_from_memory_equals_the_file_digest(tmp_path, monkeypatch):
     every dtype it writes, a scalar, an empty tensor and escaped metadata; with a wrong
     prediction it hashes the file instead."""
     import formats.shards as shards
-    from formats.shards import TORCH_DTYPES, safetensors_prefix, sha256_file, write_shard_atomic
+    from formats.shards import (
+        TORCH_DTYPES,
+        safetensors_prefix,
+        sha256_file,
+        write_shard_atomic,
+    )
 
     g = torch.Generator().manual_seed(0)
     t = {"w.weight_packed": torch.randint(0, 255, (64, 24), generator=g, dtype=torch.uint8),

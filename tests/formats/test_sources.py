@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
 from safetensors.torch import save_file
 
-from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
 from formats.sources import SourceKind, open_source
-from quantize.errors import SourceError
+from quantize.base.errors import SourceError
 
 
 def test_fc03_block_dequant_before_requant(tmp_path):
@@ -189,7 +189,7 @@ def test_hub_cache_snapshot_links_are_followed(tmp_path):
 
 
 def test_recipe_bad_regex_named():
-    from quantize.errors import RecipeError
-    from quantize.recipe import Rule, Target
+    from quantize.base.errors import RecipeError
+    from quantize.plan.recipe import Rule, Target
     with pytest.raises(RecipeError, match=r"recipe rule match 're:\(\(' is not a valid regex"):
         Rule("re:((", Target.NVFP4)

@@ -6,12 +6,12 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_recipes import moe_layer
 
 from formats.checkpoint import INDEX_NAME
-from quantize.check import check_build
 from quantize.cli import main
-from quantize.pipeline import convert
-from test_recipes import moe_layer
+from quantize.convert.pipeline import convert
+from quantize.inspect.check import check_build
 
 
 @pytest.fixture(scope="module")

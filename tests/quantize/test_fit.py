@@ -10,8 +10,16 @@ import pytest
 from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from quantize.cli import main
-from quantize.fit import GIB, Reserve, build_tensors, parse_draft, parse_size, plan_fit, sessions
-from quantize.pipeline import convert
+from quantize.convert.pipeline import convert
+from quantize.fit import (
+    GIB,
+    Reserve,
+    build_tensors,
+    parse_draft,
+    parse_size,
+    plan_fit,
+    sessions,
+)
 
 NO_RESERVE = Reserve(0, 0, 0)
 
@@ -173,7 +181,7 @@ def test_cli_plan_table_and_json(glm5_next_src, capsys):
 def glm53_full(tmp_path_factory):
     """The full-size GLM-5.3-Flash FP8 release as a header-only descriptor, planned through
     weight-only once (~30 s on 2 cores)."""
-    from quantize.fixtures import write_release_descriptor
+    from quantize.data.fixtures import write_release_descriptor
 
     path = write_release_descriptor(tmp_path_factory.mktemp("full") / "glm53.descriptor.json",
                                     "glm5_next", "full")

@@ -8,8 +8,12 @@ import torch
 from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from formats.sources import open_source
-from quantize.errors import SourceError
-from quantize.fixtures import release_config, write_release_descriptor, write_release_fixture
+from quantize.base.errors import SourceError
+from quantize.data.fixtures import (
+    release_config,
+    write_release_descriptor,
+    write_release_fixture,
+)
 
 P = "model.language_model.layers"
 

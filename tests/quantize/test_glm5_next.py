@@ -4,18 +4,17 @@ import json
 
 import pytest
 import torch
-
 from conftest import load_all
 
 from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from formats.sources import open_source
 from quantize import archs
-from quantize.check import check_build
+from quantize.convert.pipeline import convert
+from quantize.inspect.check import check_build
 from quantize.kernels.nvfp4 import dequantize_nvfp4, unpack_e2m1
-from quantize.pipeline import convert
-from quantize.plan import plan_tensors, predicted_bytes
-from quantize.recipe import load_recipe
+from quantize.plan.recipe import load_recipe
+from quantize.plan.tensors import plan_tensors, predicted_bytes
 
 P = "model.language_model.layers"
 PRESETS = ("weight-only", "spark-mixed", "experts-only")
@@ -167,7 +166,7 @@ def test_kl_tiny_glm5_next_build_tracks_source(builds, glm5_next_src):
     own compressors) and its next-token distributions track the FP8 source."""
     from eval.kl import teacher_forced_kl
     from eval.models import build_dense_state, load_dense_model, source_dense_state
-    from eval.texts import essay_texts
+    from quantize.data.texts import essay_texts
 
     class Bytes:  # the fixture's vocabulary is 256: UTF-8 bytes are valid ids
         def encode(self, text, add_special_tokens=False):

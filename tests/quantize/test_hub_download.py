@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from formats.manifest import MANIFEST_NAME, PROGRESS_NAME
 from formats.sources import ShardFiles
-from quantize import budget
-from quantize.errors import OutputError
+from quantize.base.errors import OutputError
+from quantize.convert.pipeline import convert
+from quantize.inspect import budget
 from quantize.kernels.fp8 import quantize_fp8_block
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
-from quantize.pipeline import convert
 from tests.hub_server import FakeHub, client_env, run_quantize
 
 REPO = "org/tiny-fp8"
@@ -160,8 +160,8 @@ def test_offline_private_and_missing_shard(tmp_path):
 
 def test_predicted_output_bytes_match_the_build(tmp_path):
     from formats.sources import open_source
-    from quantize.plan import plan_tensors, predict_outputs
-    from quantize.recipe import load_recipe
+    from quantize.plan.recipe import load_recipe
+    from quantize.plan.tensors import plan_tensors, predict_outputs
 
     src = layered_fp8(tmp_path / "src")
     source = open_source(src)

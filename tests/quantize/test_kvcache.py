@@ -3,8 +3,15 @@
 import pytest
 
 from quantize.archs import AttnKind, attention_layers
-from quantize.kvcache import (KVDtype, gqa_record, indexer_record, indexer_tail_state, kda_state,
-                              kv_model, mla_record)
+from quantize.archs.kvcache import (
+    KVDtype,
+    gqa_record,
+    indexer_record,
+    indexer_tail_state,
+    kda_state,
+    kv_model,
+    mla_record,
+)
 
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512,
                "qk_rope_head_dim": 64, "num_attention_heads": 128, "hidden_size": 7168}

@@ -4,11 +4,11 @@ import json
 import subprocess
 import sys
 
-from quantize.fixtures import write_synthetic_fp8
+from quantize.data.fixtures import write_synthetic_fp8
 
 PROBE = """
 import sys
-from quantize.pipeline import convert
+from quantize.convert.pipeline import convert
 
 def peak_rss():  # VmHWM is reset by exec, unlike ru_maxrss
     status = open("/proc/self/status").read()

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_build, killed_at_write
 from safetensors.torch import load_file, save_file
+from test_pipeline import moe_checkpoint
 
 from formats.checkpoint import INDEX_NAME
-from quantize.errors import SourceError
+from formats.manifest import MANIFEST_NAME
+from quantize.base.errors import SourceError
+from quantize.convert.parallel import assign_shards
+from quantize.convert.pipeline import convert
 from quantize.kernels.fused import _has_cxx, _has_triton
-from quantize.manifest import MANIFEST_NAME
-from quantize.parallel import assign_shards
-from quantize.pipeline import convert
-from conftest import assert_same_build, killed_at_write
-from test_pipeline import moe_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import BLOCK_FP8_QC, fp8_pair, killed_at_write, load_all, write_checkpoint
+
 from formats.checkpoint import INDEX_NAME
+from formats.manifest import MANIFEST_NAME, PROGRESS_NAME
 from formats.shards import read_header
-from quantize.errors import OutputError, SourceError
+from quantize.base.errors import OutputError, SourceError
+from quantize.convert.pipeline import convert
 from quantize.kernels.nvfp4 import dequantize_nvfp4
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
-from quantize.pipeline import convert
 
 
 def deq(t: dict, module: str) -> torch.Tensor:
@@ -242,7 +242,7 @@ def test_out_never_overwrites_the_source(tiny_fp8_llama, where):
 def test_interrupted_resume_over_finished_build_leaves_nothing_complete(tmp_path, tiny_fp8_llama, monkeypatch):
     out = tmp_path / "o"
     convert(tiny_fp8_llama, out, progress=False)
-    import quantize.pipeline as pl
+    import quantize.convert.pipeline as pl
     monkeypatch.setattr(pl, "write_shard_atomic", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_fp8_llama, out, progress=False, resume=True)
@@ -336,7 +336,7 @@ def test_fc04_resume_after_kill_is_byte_identical(tmp_path, monkeypatch):
 
 def test_resume_refuses_a_different_job(tmp_path, tiny_fp8_llama, monkeypatch):
     out = tmp_path / "o"
-    import quantize.pipeline as pl
+    import quantize.convert.pipeline as pl
     monkeypatch.setattr(pl, "write_index", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         convert(tiny_fp8_llama, out, progress=False)

@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
-
 from conftest import BLOCK_FP8_QC, edit_json, edit_shard, fp8_pair, write_checkpoint
+
 from formats.checkpoint import INDEX_NAME
+from quantize.base.errors import OutputError, SourceError
 from quantize.cli import main
-from quantize.errors import OutputError, SourceError
-from quantize.pipeline import convert
-from quantize.preflight import check_output, preflight
+from quantize.convert.pipeline import convert
+from quantize.inspect.preflight import check_output, preflight
 
 S1, S2, S3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
 

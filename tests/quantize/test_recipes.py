@@ -5,16 +5,16 @@ import json
 
 import pytest
 import torch
-
 from conftest import BLOCK_FP8_QC, fp8_pair, load_all, write_checkpoint
+
 from formats.checkpoint import INDEX_NAME
 from formats.sources import open_source
-from quantize.check import check_build
-from quantize.errors import RecipeError
+from quantize.base.errors import RecipeError
+from quantize.convert.pipeline import convert
+from quantize.inspect.check import check_build
 from quantize.kernels.nvfp4 import dequantize_nvfp4
-from quantize.pipeline import convert
-from quantize.plan import plan_tensors, predicted_bytes
-from quantize.recipe import Target, load_recipe, preset_names
+from quantize.plan.recipe import Target, load_recipe, preset_names
+from quantize.plan.tensors import plan_tensors, predicted_bytes
 
 
 def with_amax(shape, amax, seed):

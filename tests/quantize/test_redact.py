@@ -2,7 +2,7 @@
 
 import io
 
-from quantize.redact import RedactingStream, redact, redact_obj, register_secret
+from quantize.base.redact import RedactingStream, redact, redact_obj, register_secret
 
 
 def test_environment_and_registered_secrets_masked(monkeypatch):
@@ -40,9 +40,9 @@ def test_stream_redacts_each_write(monkeypatch):
 def test_rendered_model_card_carries_no_token(tmp_path, tiny_fp8_llama, monkeypatch):
     import json
 
-    from quantize.card import render_card
-    from quantize.manifest import MANIFEST_NAME
-    from quantize.pipeline import convert
+    from formats.manifest import MANIFEST_NAME
+    from quantize.convert.pipeline import convert
+    from quantize.hub.card import render_card
 
     token = "hf_" + "Zq81kLmN0pQrStUv" * 2
     monkeypatch.setenv("HF_TOKEN", token)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from quantize import cli
-from quantize.card import read_gate, render_card, validate_card
-from quantize.errors import CardError, GateFailed
-from quantize.pipeline import convert
-from quantize.upload import upload_build
+from quantize.base.errors import CardError, GateFailed
+from quantize.convert.pipeline import convert
+from quantize.hub.card import read_gate, render_card, validate_card
+from quantize.hub.upload import upload_build
 from tests.hub_server import FakeHub, client_env, run_quantize
 
 TOKEN = "hf_test_token"

@@ -5,15 +5,15 @@ import shutil
 
 import pytest
 import torch
+from conftest import write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from conftest import write_checkpoint
 from formats.checkpoint import INDEX_NAME
+from formats.manifest import MANIFEST_NAME, PROGRESS_NAME
 from formats.shards import sha256_file
 from quantize.cli import main
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME
-from quantize.pipeline import convert
-from quantize.verify import verify
+from quantize.convert.pipeline import convert
+from quantize.inspect.verify import verify
 
 S1 = "model-00001-of-00003.safetensors"
 

@@ -3,7 +3,11 @@
 import pytest
 import torch
 
-from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast, quantize_fp8_block
+from quantize.kernels.fp8 import (
+    dequantize_fp8_block,
+    dequantize_fp8_broadcast,
+    quantize_fp8_block,
+)
 
 
 def test_fc01_partial_blocks_576x2048():

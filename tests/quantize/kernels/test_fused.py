@@ -4,10 +4,22 @@ import pytest
 import torch
 
 from quantize.kernels.fp8 import dequantize_fp8_block
-from quantize.kernels.fused import (MIN_COMPILED_ELEMENTS, _has_cxx, choose_backend, decode_e4m3,
-                                    e2m1_codes, prepare_float, prepare_fp8)
-from quantize.kernels.nvfp4 import (global_scale_from_amax, quantize_nvfp4, quantize_nvfp4_scale2,
-                                    round_to_e2m1_codes, scale_2_from_amax)
+from quantize.kernels.fused import (
+    MIN_COMPILED_ELEMENTS,
+    _has_cxx,
+    choose_backend,
+    decode_e4m3,
+    e2m1_codes,
+    prepare_float,
+    prepare_fp8,
+)
+from quantize.kernels.nvfp4 import (
+    global_scale_from_amax,
+    quantize_nvfp4,
+    quantize_nvfp4_scale2,
+    round_to_e2m1_codes,
+    scale_2_from_amax,
+)
 
 CPU = torch.device("cpu")
 needs_cxx = pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from quantize.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8
-from quantize.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4_scale2, scale_2_from_amax
+from quantize.kernels.nvfp4 import (
+    dequantize_nvfp4,
+    quantize_nvfp4_scale2,
+    scale_2_from_amax,
+)
 
 
 def test_mxfp8_golden_exponents():

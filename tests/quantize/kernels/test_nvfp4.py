@@ -3,10 +3,15 @@
 import pytest
 import torch
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-
 from conftest import ct_nvfp4_reference
-from quantize.kernels.nvfp4 import (dequantize_nvfp4, global_scale_from_amax, pack_e2m1,
-                                    quantize_nvfp4, unpack_e2m1)
+
+from quantize.kernels.nvfp4 import (
+    dequantize_nvfp4,
+    global_scale_from_amax,
+    pack_e2m1,
+    quantize_nvfp4,
+    unpack_e2m1,
+)
 
 ct_reference = ct_nvfp4_reference
 

@@ -3,9 +3,16 @@
 import pytest
 import torch
 
-from quantize.kernels.act_scales import (fake_quantize_nvfp4_activation, fp8_kv_scale_from_amax,
-                                         input_global_scale_from_amax)
-from quantize.kernels.nvfp4 import dequantize_nvfp4, global_scale_from_amax, quantize_nvfp4
+from quantize.kernels.act_scales import (
+    fake_quantize_nvfp4_activation,
+    fp8_kv_scale_from_amax,
+    input_global_scale_from_amax,
+)
+from quantize.kernels.nvfp4 import (
+    dequantize_nvfp4,
+    global_scale_from_amax,
+    quantize_nvfp4,
+)
 from quantize.kernels.scale_search import block_errors, quantize_nvfp4_search
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from test_fused import LAYOUTS, assert_same, random_fp8, reference_bytes, special_rows
 
 from quantize.kernels.fused import _has_triton, prepare_fp8
-from test_fused import LAYOUTS, assert_same, random_fp8, reference_bytes, special_rows
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and _has_triton()),
                                 reason="needs a CUDA device and triton")

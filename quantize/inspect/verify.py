@@ -31,11 +31,17 @@ import torch
 
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME
-from formats.shards import ShardReader, TensorInfo, is_temp_name, read_header, sha256_file
+from formats.manifest import MANIFEST_NAME, fingerprint, has_ledger, is_ledger_name
+from formats.shards import (
+    ShardReader,
+    TensorInfo,
+    is_temp_name,
+    read_header,
+    sha256_file,
+)
 from formats.sources import Source, inspect_source
-from quantize.errors import Finding, SourceError, SparkQuantError, render_findings
+from quantize.base.errors import Finding, SourceError, SparkQuantError, render_findings
 from quantize.kernels.nvfp4 import dequantize_nvfp4
-from quantize.manifest import MANIFEST_NAME, fingerprint, has_ledger, is_ledger_name
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -168,7 +174,7 @@ def _check_layout(writer, manifest: dict, infos: dict[str, TensorInfo], rep: Ver
 def _engine_checks(build: Path, manifest: dict) -> list[Finding]:
     """``quantize check`` on the build, with the engine and TP it was made for: the single
     call site in verify. Its findings keep their rule in the message."""
-    from quantize.check import check_build
+    from quantize.inspect.check import check_build
 
     opts = manifest.get("options", {})
     try:

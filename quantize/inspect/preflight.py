@@ -14,11 +14,11 @@ once (a user with a 300 GiB download wants the whole list, not one error per hou
 - hostile input: custom code is reported (copied as a file, never executed), links leading
   out of the folder are not carried;
 - output: not the source or inside it, empty unless resuming a spark-quant build, writable,
-  and enough free disk for the predicted build (``quantize.budget``, which also counts the
+  and enough free disk for the predicted build (``quantize.inspect.budget``, which also counts the
   shards a Hub source still has to download).
 
 Checks that need the weights themselves (NaN / Inf weights, all-zero tensors, absurd amax of
-dense weights) run during conversion, on each tensor as it is read (``quantize.pipeline``).
+dense weights) run during conversion, on each tensor as it is read (``quantize.convert.pipeline``).
 """
 
 import shutil
@@ -29,15 +29,21 @@ from pathlib import Path
 import torch
 
 from formats.checkpoint import carry_plan
+from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
 from formats.shards import DTYPE_BYTES, ShardReader, is_temp_name
 from formats.sources import Source, inspect_source
 from quantize import archs
-from quantize.budget import check_free_disk, predicted_output_bytes
-from quantize.errors import Finding, OutputError, SourceError, raise_findings, render_findings
+from quantize.base.errors import (
+    Finding,
+    OutputError,
+    SourceError,
+    raise_findings,
+    render_findings,
+)
+from quantize.inspect.budget import check_free_disk, predicted_output_bytes
 from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
-from quantize.plan import Decision, plan_tensors, predict_outputs
-from quantize.recipe import Recipe
+from quantize.plan.recipe import Recipe
+from quantize.plan.tensors import Decision, plan_tensors, predict_outputs
 
 __all__ = ["ABSURD_AMAX", "MIN_AMAX", "Preflight", "preflight", "scan_scales", "check_output"]
 
@@ -58,7 +64,7 @@ class Preflight:
     source: Source | None
     findings: list[Finding]
     decisions: dict[str, Decision] | None = None
-    predicted: dict[str, dict] | None = None  # quantize.plan.predict_outputs
+    predicted: dict[str, dict] | None = None  # quantize.plan.tensors.predict_outputs
 
     @property
     def errors(self) -> list[Finding]:
@@ -174,7 +180,7 @@ def check_output(out: Path, src: Path, resume: bool, source: Source | None = Non
     """Output-folder findings (kind ``output``): the source folder or inside it, not a folder,
     not empty without ``--resume``, ``--resume`` into a folder that holds no spark-quant
     build, not writable, or (with ``source`` and ``predicted``) too little free disk for the
-    output shards not yet on disk (``quantize.budget.check_free_disk``)."""
+    output shards not yet on disk (``quantize.inspect.budget.check_free_disk``)."""
     out, src = Path(out), Path(src)
     f: list[Finding] = []
 

@@ -1,18 +1,18 @@
 """``convert()``: stream a checkpoint shard by shard from FP8 (or dense) to NVFP4.
 
-Steps: pre-flight (``quantize.preflight``: the source, a folder or a Hub repo whose shards
-``quantize.hub`` fetches on first read and deletes after their last, checked whole with every
-finding at once; every tensor decided by ``quantize.plan``, recipe, TP / engine alignment; the
+Steps: pre-flight (``quantize.inspect.preflight``: the source, a folder or a Hub repo whose shards
+``quantize.hub.download`` fetches on first read and deletes after their last, checked whole with every
+finding at once; every tensor decided by ``quantize.plan.tensors``, recipe, TP / engine alignment; the
 output folder and its free disk) -> per source shard, read lazily, refuse NaN / Inf / absurd
 amax, quantize (NVFP4 in the output format's arithmetic order, block FP8 passed through,
 MXFP8), check the shard against the planned layout, write it atomically -> index, carried
 files, config (+ hf_quant_config.json for ModelOpt) -> ``quantize check`` -> manifest (only
 when the check has no error). Calibration statistics (``quantize calibrate``) add W4A4 input
 scales and FP8 KV scales, and weight the block-scale search (``--scales``).
-Reading, quantizing and writing overlap (``quantize.overlap``: a reader thread, this thread, a
+Reading, quantizing and writing overlap (``quantize.convert.overlap``: a reader thread, this thread, a
 writer thread), NVFP4 goes through the fused kernels of ``quantize.kernels.fused`` (the
 block-scale search through the reference arithmetic), and shards can be divided among
-processes or torchrun ranks (``quantize.parallel``). Large source tensors are read with
+processes or torchrun ranks (``quantize.convert.parallel``). Large source tensors are read with
 O_DIRECT and written shards leave the page cache once on disk (``formats.shards``): one pass
 over the checkpoint gains nothing from the cache, and filling it was the largest CPU cost on
 a small machine. Peak memory is a few output shards (being built, queued, being written, and
@@ -33,30 +33,60 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from calibrate.stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
-from formats import get_writer
+from formats import SCHEMES, get_writer
+from formats.calib_stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
 from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
-from formats.shards import DTYPE_BYTES, discard, dtype_name, is_temp_name, write_shard_atomic
+from formats.manifest import (
+    MANIFEST_NAME,
+    PROGRESS_NAME,
+    Ledger,
+    fingerprint,
+    remove_ledgers,
+    write_manifest,
+)
+from formats.shards import (
+    DTYPE_BYTES,
+    discard,
+    dtype_name,
+    is_temp_name,
+    write_shard_atomic,
+)
 from formats.sources import ShardFiles, Source
-from quantize import __version__
-from quantize.act_plan import calibration_record, input_amax_plan, kv_scale_tensors
-from quantize.errors import CalibrationError, CheckFailed, OutputError, SourceError
-from quantize.kernels.act_scales import input_global_scale_from_amax, input_scale_from_amax
+from quantize import __version__, archs
+from quantize.base.errors import CalibrationError, CheckFailed, OutputError, SourceError
+from quantize.base.memory import (
+    CONVERT_MMAP_THRESHOLD,
+    bound_allocator,
+    release_freed_memory,
+)
+from quantize.convert.overlap import Consumer, Producer, StageClock
+from quantize.convert.parallel import World, assign_shards, current_world, spawn_local
+from quantize.inspect.preflight import ABSURD_AMAX, MIN_AMAX, preflight
+from quantize.kernels import SCALE_METHODS
+from quantize.kernels.act_scales import (
+    input_global_scale_from_amax,
+    input_scale_from_amax,
+)
 from quantize.kernels.dtypes import count_bytes
 from quantize.kernels.fp8 import quantize_fp8_block
 from quantize.kernels.fused import Prepared, choose_backend, prepare_float, prepare_fp8
 from quantize.kernels.mxfp8 import quantize_mxfp8
 from quantize.kernels.nvfp4 import global_scale_from_amax, scale_2_from_amax
 from quantize.kernels.scale_search import quantize_nvfp4_search
-from quantize.memory import CONVERT_MMAP_THRESHOLD, bound_allocator, release_freed_memory
-from quantize.manifest import (MANIFEST_NAME, PROGRESS_NAME, Ledger, fingerprint, remove_ledgers,
-                               write_manifest)
-from quantize.overlap import Consumer, Producer, StageClock
-from quantize.parallel import World, assign_shards, current_world, spawn_local
-from quantize.plan import (Decision, dropped_tensors, fp8_passthrough, module_of, predict_outputs,
-                           tied_embeddings)
-from quantize.preflight import ABSURD_AMAX, MIN_AMAX, preflight
-from quantize.recipe import Target, load_recipe
+from quantize.plan.activations import (
+    calibration_record,
+    input_amax_plan,
+    kv_scale_tensors,
+)
+from quantize.plan.recipe import Target, load_recipe
+from quantize.plan.tensors import (
+    Decision,
+    dropped_tensors,
+    fp8_passthrough,
+    module_of,
+    predict_outputs,
+    tied_embeddings,
+)
 
 __all__ = ["Summary", "convert"]
 
@@ -75,7 +105,7 @@ class Summary:
     ignore: list[str]
     notes: list[str] = field(default_factory=list)
     findings: list = field(default_factory=list)
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # quantize.overlap.StageClock
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # quantize.convert.overlap.StageClock
     stage_cpu_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -91,7 +121,7 @@ class Summary:
                  f"  time: {self.seconds:.1f} s, {self.gelem_per_s:.3f} G elements/s quantized",
                  f"  ignore: {len(self.ignore)} modules left unquantized"]
         lines += [f"  note: {n}" for n in self.notes]
-        from quantize.check import render_check
+        from quantize.inspect.check import render_check
 
         lines += [f"  check: {render_check(f)}" for f in self.findings]
         return "\n".join(lines)
@@ -186,7 +216,6 @@ def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> 
     return {f: source.files.identity(f) for f in sorted(files)}
 
 
-SCALE_METHODS = ("rtn", "mse", "mse-act")
 """Block-scale choice: round-to-nearest, least-squares search (``kernels.scale_search``), or
 the search weighted by calibration activations (needs ``calibration``)."""
 
@@ -389,8 +418,8 @@ class _Calibration:
 def _calibration(path, scheme: str, kv_cache: str | None, scales: str, order: str,
                  min_tokens: int | None) -> _Calibration:
     """Load and check the calibration options together, before any work."""
-    if scheme not in ("w4a16", "w4a4"):
-        raise ValueError(f"unknown scheme {scheme!r} (valid: w4a16, w4a4)")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r} (valid: {', '.join(SCHEMES)})")
     _check_scale_method(scales, order)
     if kv_cache not in (None, "fp8"):
         raise ValueError(f"unknown --kv-cache {kv_cache!r} (valid: fp8)")
@@ -418,7 +447,7 @@ def _calibration(path, scheme: str, kv_cache: str | None, scales: str, order: st
 
 def _model_dtype(config: dict) -> torch.dtype:
     """The checkpoint's declared dtype (``torch_dtype`` / ``dtype``), bfloat16 by default."""
-    cfg = config.get("text_config") or config
+    cfg = archs.text_config(config)
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
     return {"float32": torch.float32, "float16": torch.float16}.get(name, torch.bfloat16)
 
@@ -435,7 +464,7 @@ def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tup
 
 def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
                     device: torch.device, kernel: str, bar) -> tuple[int, int, int, dict, dict, tuple]:
-    """Convert ``shards`` with reading, quantizing and writing overlapped (quantize/overlap.py):
+    """Convert ``shards`` with reading, quantizing and writing overlapped (quantize/convert/overlap.py):
     at most 2 prepared tensors wait for the quantizer and 1 finished shard for the writer.
 
     Returns:
@@ -469,7 +498,7 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
                     raise RuntimeError("the writer stopped")  # its own error is raised below
                 changed.wait(0.1)
 
-    # free memory kept for reuse (quantize.memory.release_freed_memory): what the stages
+    # free memory kept for reuse (quantize.base.memory.release_freed_memory): what the stages
     # below allocate again shard after shard (the output shard being built, the one queued,
     # the one being written, and the reader's tensors: two queued, one in hand, the
     # quantizer's, each with a kernel buffer of its size), plus one output shard of slack
@@ -567,12 +596,12 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
 
     Args:
         src: folder with config.json and safetensors shards (block FP8, compressed-tensors
-            FP8, or dense), or an opened ``Source`` (``quantize.hub`` streams one from the Hub).
+            FP8, or dense), or an opened ``Source`` (``quantize.hub.download`` streams one from the Hub).
         out: output folder; must be empty unless ``resume``.
         scheme: ``w4a16`` (weight-only NVFP4) or ``w4a4`` (NVFP4 activations too: needs
             ``calibration``; writes each module's input scale, shared in a fused group).
         fmt: output layout, see ``formats.OutputFormat``.
-        recipe: preset name or TOML path (``quantize.recipe``).
+        recipe: preset name or TOML path (``quantize.plan.recipe``).
         device: ``cpu``, ``cuda`` or ``auto``; with several ranks on CUDA, rank r uses GPU
             ``LOCAL_RANK`` (else r) modulo the GPU count.
         tp: tensor-parallel size the build is for; tensors whose per-shard shape breaks the
@@ -584,7 +613,7 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             ranks before and now.
         source_info: extra provenance (repo id, commit, file hashes) recorded in the manifest
             and part of the resume fingerprint.
-        calibration: a stats folder from ``quantize calibrate`` (``calibrate.stats``).
+        calibration: a stats folder from ``quantize calibrate`` (``formats.calib_stats``).
         kv_cache: ``fp8`` declares an FP8 KV cache; with ``calibration`` the k/v scales
             (amax / 448) are written per attention block, else engines use 1.0.
         scales: one of :data:`SCALE_METHODS` (the searches need the compressed-tensors format,
@@ -593,7 +622,7 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             over experts as input amax and are listed in the manifest (default 8).
         kernel: ``auto``, ``reference``, ``inductor`` (CPU) or ``triton`` (CUDA); see
             ``quantize.kernels.fused``. Every kernel writes the same bytes.
-        workers: processes on this machine (``quantize.parallel``); under torchrun (an
+        workers: processes on this machine (``quantize.convert.parallel``); under torchrun (an
             initialized torch.distributed group) the ranks divide the shards instead. Several
             processes need a local source folder.
 
@@ -776,7 +805,10 @@ def _finish(job: _Job, out: Path, scheme: str, options: dict, headers: dict, cou
     for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer, kv_cache).items():
         write_json_atomic(obj, out / fname)
     write_json_atomic(config, out / "config.json")
-    from quantize.check import check_build, render_check  # the check reads only what was written
+    from quantize.inspect.check import (  # the check reads only what was written
+        check_build,
+        render_check,
+    )
 
     findings = check_build(out, engine=engine, tp=tp)
     errors = [f for f in findings if f.level == "error"]

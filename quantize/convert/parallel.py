@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from quantize.errors import OutputError
+from quantize.base.errors import OutputError
 
 __all__ = ["World", "assign_shards", "current_world", "init_from_env", "spawn_local"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quantize.archs import text_config
 from quantize.kernels.fp8 import quantize_fp8_block
 
 __all__ = ["BLOCK_FP8_CONFIG", "write_synthetic_fp8", "RELEASE_MODEL_TYPES", "release_config",
@@ -138,7 +139,7 @@ def _mtp_extended(config: dict, layout) -> dict:
     """Config with one more decoder layer, of the MTP layer's kind, for building its tensors."""
     cfg = json.loads(json.dumps(config))
     cfg.pop("quantization_config", None)
-    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    text = text_config(cfg)
     text["num_hidden_layers"] += 1
     for key, value in layout.mtp_layer_kind.items():
         if isinstance(text.get(key), list):
@@ -177,7 +178,12 @@ def release_tensors(config: dict, *, with_data: bool, seed: int = 0) -> dict[str
     from transformers import AutoConfig
     from transformers.core_model_loading import revert_weight_conversion
 
-    from quantize.archs import MTP_EXTRA_TENSORS, RELEASE_LAYOUTS, release_storage, text_config
+    from quantize.archs import (
+        MTP_EXTRA_TENSORS,
+        RELEASE_LAYOUTS,
+        release_storage,
+        text_config,
+    )
 
     layout = RELEASE_LAYOUTS[config["model_type"]]
     ext = _mtp_extended(config, layout)

@@ -8,9 +8,9 @@ Rules (a compressed-tensors build; each finding names the module or tensor):
   input scales (vLLM takes the max and warns, which mis-scales the others).
 - A weight-only build carries no ``input_global_scale``.
 - ``kv_cache_scheme`` set: ``k_scale`` and ``v_scale`` come in pairs.
-- Every KV scale is finite and > 0 (weight and input scales: ``quantize.check`` rule ``scale``).
+- Every KV scale is finite and > 0 (weight and input scales: ``quantize.inspect.check`` rule ``scale``).
 
-Reads shard headers and the few scalar scale tensors only. ``quantize.check.check_build``
+Reads shard headers and the few scalar scale tensors only. ``quantize.inspect.check.check_build``
 runs these rules (rule ``calibration``) on every compressed-tensors build; ModelOpt W4A4
 builds get the ``input_scale`` presence rule there.
 """

@@ -15,14 +15,14 @@ from pathlib import Path
 import yaml
 
 from eval.report import scope_text
-from quantize.errors import CardError, OutputError
-from quantize.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
-from quantize.redact import redact
+from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
+from quantize.base.errors import CardError, OutputError
+from quantize.base.redact import redact
 
 __all__ = ["CARDS", "TEMPLATE", "REPORT", "PLAN", "load_build", "read_gate", "render_card",
            "validate_card"]
 
-CARDS = Path(__file__).resolve().parents[1] / "model_cards"
+CARDS = Path(__file__).resolve().parents[2] / "model_cards"
 TEMPLATE = CARDS / "nvfp4.md"
 REPORT = Path("eval") / "report.json"
 PLAN = Path("plan.json")

@@ -10,11 +10,11 @@
   fused group's shared global scale without re-reading (or re-downloading) finished shards,
   and each finished shard's data findings (all-zero weights, block scales at the e4m3 floor)
   so a resumed build reports the same notes as an uninterrupted one. It is removed when the
-  build completes. When several ranks convert (quantize/parallel.py), each keeps
+  build completes. When several ranks convert (quantize/convert/parallel.py), each keeps
   ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the number of
   ranks then.
 
-Every string in the manifest passes through ``quantize.redact`` (no tokens in manifests).
+Every string in the manifest passes through ``quantize.base.redact`` (no tokens in manifests).
 """
 
 import hashlib
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from formats.checkpoint import write_json_atomic
 from formats.shards import is_temp_name, sha256_file
-from quantize.errors import OutputError
-from quantize.redact import redact_obj
+from quantize.base.errors import OutputError
+from quantize.base.redact import redact_obj
 
 __all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "has_ledger",
            "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint"]

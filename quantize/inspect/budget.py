@@ -11,7 +11,7 @@ from pathlib import Path
 
 from formats.shards import DTYPE_BYTES
 from formats.sources import ShardFiles, Source
-from quantize.errors import OutputError
+from quantize.base.errors import OutputError
 
 __all__ = ["predicted_output_bytes", "check_free_disk"]
 
@@ -28,7 +28,7 @@ def predicted_output_bytes(source: Source, predicted: dict[str, dict],
                            done: set[str] = frozenset()) -> int:
     """Tensor bytes the converter will still write for source shards not in ``done``.
 
-    ``predicted`` is :func:`quantize.plan.predict_outputs` (logical name -> {output tensor:
+    ``predicted`` is :func:`quantize.plan.tensors.predict_outputs` (logical name -> {output tensor:
     (safetensors dtype, shape)}), the same prediction the converter checks every shard
     against. Safetensors headers and carried files (a few MiB) are not counted.
     """

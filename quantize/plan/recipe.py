@@ -5,7 +5,7 @@ A rule's ``match`` is an exact module name, a regex prefixed ``re:`` matched wit
 ``ignore`` (compressed_tensors/utils/match.py), or ``role:<name>`` for a role from
 ``quantize.archs.ROLES`` (``role:kda`` covers every Linear of a KDA block whatever its
 name), so presets stay free of architecture names. Presets ship as TOML in
-``quantize/recipes``.
+``quantize/plan/recipes``.
 """
 
 import hashlib
@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from quantize.archs import ROLES
-from quantize.errors import RecipeError
+from quantize.base.errors import RecipeError
 
 __all__ = ["Target", "Rule", "Recipe", "load_recipe", "preset_names"]
 
@@ -83,7 +83,7 @@ class Recipe:
 
 def preset_names() -> list[str]:
     """Names of the presets shipped in the package."""
-    return sorted(p.name[:-5] for p in resources.files("quantize.recipes").iterdir()
+    return sorted(p.name[:-5] for p in resources.files("quantize.plan.recipes").iterdir()
                   if p.name.endswith(".toml"))
 
 
@@ -98,7 +98,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     if p.suffix == ".toml" and p.is_file():
         text = p.read_text()
     elif str(name_or_path) in preset_names():
-        text = resources.files("quantize.recipes").joinpath(f"{name_or_path}.toml").read_text()
+        text = resources.files("quantize.plan.recipes").joinpath(f"{name_or_path}.toml").read_text()
     else:
         raise RecipeError(f"unknown recipe {str(name_or_path)!r}: give a .toml file or one of "
                           f"{', '.join(preset_names())}", key=str(name_or_path))

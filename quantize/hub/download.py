@@ -23,11 +23,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from formats.checkpoint import (INDEX_NAME, PICKLE_SUFFIXES, SINGLE_NAME, WEIGHT_SUFFIXES,
-                                write_json_atomic)
+from formats.checkpoint import (
+    INDEX_NAME,
+    PICKLE_SUFFIXES,
+    SINGLE_NAME,
+    WEIGHT_SUFFIXES,
+    write_json_atomic,
+)
 from formats.shards import TensorInfo, read_header, sha256_file
 from formats.sources import ShardFiles, Source, open_source
-from quantize.errors import SourceError
+from quantize.base.errors import SourceError
 
 __all__ = ["REPO_REF", "STATE_NAME", "HubShards", "hub_errors", "open_hub_source", "parse_repo_ref"]
 
@@ -55,9 +60,15 @@ def hub_errors(repo: str, revision: str | None, error: type = SourceError):
     to do."""
     import httpx2
     from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled, RemoteEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     where = f"{repo}@{revision or 'main'} on {constants.ENDPOINT}"
     try:

@@ -1,7 +1,7 @@
 """What calibration statistics contribute to a build: input global scales (W4A4), FP8 KV
 scales, channel weights for the activation-weighted scale search, and the manifest record.
 
-Pure planning over the decisions and a :class:`calibrate.stats.CalibStats`; the numbers
+Pure planning over the decisions and a :class:`formats.calib_stats.CalibStats`; the numbers
 come from ``quantize.kernels.act_scales``, the tensor names from the output writer.
 """
 
@@ -9,13 +9,13 @@ from types import ModuleType
 
 import torch
 
-from calibrate.stats import CalibStats
+from formats.calib_stats import CalibStats
 from formats.sources import Source
 from quantize import archs
-from quantize.errors import CalibrationError
+from quantize.base.errors import CalibrationError
 from quantize.kernels.act_scales import fp8_kv_scale_from_amax
-from quantize.plan import Decision, kv_scale_anchor, module_of
-from quantize.recipe import Target
+from quantize.plan.recipe import Target
+from quantize.plan.tensors import Decision, kv_scale_anchor, module_of
 
 __all__ = ["input_amax_plan", "kv_scale_tensors", "calibration_record"]
 
@@ -54,7 +54,7 @@ def input_amax_plan(decisions: dict[str, Decision], stats: CalibStats, min_token
 def kv_scale_tensors(source: Source, stats: CalibStats, writer: ModuleType,
                      dtype: torch.dtype) -> dict[str, dict[str, torch.Tensor]]:
     """FP8 KV scales keyed by the logical tensor whose output shard carries them
-    (:func:`quantize.plan.kv_scale_anchor`, so ``predict_outputs`` names the same place):
+    (:func:`quantize.plan.tensors.kv_scale_anchor`, so ``predict_outputs`` names the same place):
     each attention block's ``k_scale`` / ``v_scale`` (amax / 448). For MLA layers both
     scales are the latent record's amax (vLLM MLAAttention quantizes the whole latent with
     ``k_scale``).

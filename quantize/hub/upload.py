@@ -6,7 +6,7 @@ Order, so that nothing reaches the Hub before every check has passed:
 2. the eval gate (``eval/report.json``) passed as a release gate (a finished run on every
    problem, against a baseline, with the default suites: ``gate.release``), or ``--force``
    (stated in the card);
-3. the card is rendered and its metadata checked locally (``quantize.card.validate_card``);
+3. the card is rendered and its metadata checked locally (``quantize.hub.card.validate_card``);
 4. ``--dry-run`` stops here and returns the card and the file plan;
 5. the Hub checks the card (``ModelCard.validate``, ``/api/validate-yaml``) — FC-33;
 6. ``create_repo`` (``--private``), ``create_branch`` (``--revision``), then the build's files
@@ -22,9 +22,9 @@ the rendered card replaces it. Hidden files (resume ledgers, caches) are not upl
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantize.card import load_build, read_gate, render_card, validate_card
-from quantize.errors import CardError, GateFailed, OutputError
-from quantize.hub import hub_errors
+from quantize.base.errors import CardError, GateFailed, OutputError
+from quantize.hub.card import load_build, read_gate, render_card, validate_card
+from quantize.hub.download import hub_errors
 
 __all__ = ["Upload", "upload_build", "file_plan"]
 

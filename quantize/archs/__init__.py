@@ -34,7 +34,11 @@ __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "mo
            "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role",
            "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
            "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
-           "MTP_REQUIRED_PARTS", "kv_record_dims"]
+           "MTP_REQUIRED_PARTS", "kv_record_dims", "KV_DTYPES"]
+
+KV_DTYPES = ("bf16", "fp8", "nvfp4")
+"""KV-cache storage dtypes whose per-token records the map knows (``quantize.archs.kvcache``):
+bf16, fp8 e4m3 with a per-tensor scale, NVFP4 (e2m1 + e4m3 per 16 + fp32 global)."""
 
 
 @dataclass(frozen=True)
@@ -462,9 +466,11 @@ def is_mla_attention(attention: str, modules: set[str]) -> bool:
 _TEXT_LAYER = re.compile(r"^(?P<pre>(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.)(\d+)\.(.+)$")
 _LAYER_EXPERT = re.compile(r"^(?P<block>mlp|block_sparse_moe|moe)\.experts\.(?P<e>\d+)\.(?P<part>.+)$")
 _ROUTER_WEIGHT = re.compile(r"^(?:mlp|block_sparse_moe|moe)\.(?:gate|router)\.weight$")
-MTP_REQUIRED_PARTS = MTP_EXTRA_TENSORS[:3]
-"""The MTP tensors every DeepSeek / GLM release has (``enorm``, ``hnorm``, ``eh_proj``); the
-shared head and embedding duplicate the main ones and are not required."""
+MTP_REQUIRED_PARTS = MTP_EXTRA_TENSORS[:4]
+"""The MTP tensors every DeepSeek / GLM release has and engines build the draft from
+(``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``: vLLM's ``DeepSeekMultiTokenPredictorLayer``
+and ``SharedHead``); the shared head and embedding duplicate the main ones and are not
+required. Pre-flight and ``quantize check`` both read this one list."""
 
 
 def _spans(ids) -> str:

@@ -23,8 +23,8 @@ from formats import get_writer
 from formats.engines import align_violations
 from formats.sources import LogicalTensor, Source
 from quantize import archs
-from quantize.errors import RecipeError
-from quantize.recipe import Recipe, Target
+from quantize.base.errors import RecipeError
+from quantize.plan.recipe import Recipe, Target
 
 __all__ = ["Decision", "plan_tensors", "module_of", "dropped_tensors", "predict_outputs",
            "predicted_bytes", "fp8_passthrough", "explain", "kv_scale_anchor"]

@@ -21,7 +21,7 @@ Rules, each a finding with the tensor or module it is about (formats_spec.md B.3
 - ``scale``: no NaN / Inf / non-positive scale value, no 0x7F / 0xFF e4m3 byte (FC-11).
 - ``calibration`` (compressed-tensors): W4A4 input scales present on every NVFP4 module and
   equal inside fused groups, none in a weight-only build, k/v scales paired and positive
-  (``quantize.calib_check``).
+  (``quantize.inspect.calib_check``).
 """
 
 import fnmatch
@@ -33,11 +33,16 @@ from pathlib import Path
 import torch
 
 from formats.checkpoint import INDEX_NAME, load_index, read_all_headers
-from formats.engines import (ENGINES, FORMAT_SUPPORT, MODEL_RULES, MODELOPT_REQUIRED_KEYS,
-                             align_violations)
+from formats.engines import (
+    ENGINES,
+    FORMAT_SUPPORT,
+    MODEL_RULES,
+    MODELOPT_REQUIRED_KEYS,
+    align_violations,
+)
 from formats.shards import ShardReader, TensorInfo, read_header
 from quantize import archs
-from quantize.errors import Finding
+from quantize.base.errors import Finding
 from quantize.kernels.dtypes import count_bytes
 
 __all__ = ["check_build", "render_check"]
@@ -265,7 +270,7 @@ def _check_groups(mods: dict[str, _Module], reader: ShardReader, fmt: str, out: 
         if set(kinds.values()) == {"nvfp4"}:
             key = "weight_global_scale" if fmt == "compressed-tensors" else "weight_scale_2"
             keys = [key] if fmt == "compressed-tensors" else [key, "input_scale"]
-            # compressed-tensors input_global_scale: quantize.calib_check (calibration rule)
+            # compressed-tensors input_global_scale: quantize.inspect.calib_check (calibration rule)
             for key in keys:
                 have = [m for m in members if key in mods[m].tensors]
                 if key == "input_scale" and not have:
@@ -300,8 +305,7 @@ def _check_mtp(config: dict, infos: dict[str, TensorInfo], mods: dict[str, _Modu
                                "missing (FC-18)", f"layers.{idx}"))
             continue
         prefix = names[0][: pat.search(names[0]).end()]
-        need = ["eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"]
-        missing = [x for x in need if prefix + x not in infos]
+        missing = [x for x in archs.MTP_REQUIRED_PARTS if prefix + x not in infos]
         if not any(n.startswith(prefix + "self_attn.") for n in names):
             missing.append("self_attn.*")
         if not any(n.startswith(prefix + "mlp.") for n in names):
@@ -416,7 +420,7 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
     finally:
         reader.close()
     if fmt == "compressed-tensors" and scan_scales:
-        from quantize.calib_check import check_activation_scales
+        from quantize.inspect.calib_check import check_activation_scales
 
         for msg in check_activation_scales(folder):
             where, _, what = msg.partition(": ")

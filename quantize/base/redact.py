@@ -2,7 +2,7 @@
 
 Used wherever we write text a user may share: the console (``quantize.cli`` wraps stdout
 and stderr, which covers logging, progress bars and error messages), the build manifest
-(``quantize.manifest.write_manifest``), verify / pre-flight reports, and model cards
+(``formats.manifest.write_manifest``), verify / pre-flight reports, and model cards
 (render the card, then pass it through :func:`redact` before writing it).
 
 What is masked: the values of the token environment variables huggingface_hub reads
