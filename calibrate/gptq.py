@@ -1,7 +1,7 @@
 """GPTQ NVFP4 through llm-compressor, for models that fit in memory (optional path).
 
 llm-compressor 0.14.0.1 pins ``compressed-tensors==0.19.0`` and ``transformers<=5.17``
-(library_facts.md), which clash with this project's pins, so it lives in its own
+(docs/formats.md §L), which clash with this project's pins, so it lives in its own
 environment and runs as a subprocess: ``convert_gptq`` (here) starts
 ``<python> -m calibrate.gptq ...`` with that environment's interpreter. The runner loads the
 source through our own reader (FP8 dequantized to float32, ``eval.models.load_source_model``),

@@ -1,7 +1,7 @@
 """Degenerate-output detector: the quiet failures a score can hide.
 
 Broken NVFP4 builds load and then emit byte soup; fp8 KV with bad scales or NVFP4 KV emit
-"!!!!" (eval_anchors.md, issue 8). A completion is degenerate when, after stripping
+"!!!!" (docs/eval.md §7). A completion is degenerate when, after stripping
 surrounding whitespace, it is non-empty and
 
 - ``repeat``: it ends in one short unit (1..:data:`MAX_PERIOD` characters, not all

@@ -82,7 +82,7 @@ def kv_bytes_per_token(config: dict, dtype: str) -> dict:
 
     MHA/GQA per layer: bf16 ``2 H D 2``, fp8 ``2 H D``, nvfp4 ``2 H (D/2 + D/16)``.
     MLA per layer (latent L, RoPE R): bf16 ``2 (L + R)``, fp8 ``L + R``,
-    nvfp4 ``L/2 + L/16 + 2 R`` (eval_anchors.md 4.5, 6.2).
+    nvfp4 ``L/2 + L/16 + 2 R`` (docs/eval.md §4.5, §6.2).
 
     Returns:
         ``{"per_layer": int, "layers": int, "total": int, "record": <kv_record_dims>}``.

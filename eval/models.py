@@ -301,7 +301,7 @@ def load_modelopt_build(folder: str | Path, dtype: torch.dtype = torch.float32):
 
     Each quantized Linear ``<m>`` stores ``<m>.weight`` (uint8 [N, K/2], packed e2m1),
     ``<m>.weight_scale`` (float8_e4m3fn [N, K/16]) and ``<m>.weight_scale_2`` (float32 scalar,
-    dequant direction amax / 2688) (formats_spec.md B.2.1); it is dequantized with
+    dequant direction amax / 2688) (docs/formats.md §B.2.1); it is dequantized with
     :func:`quantize.kernels.nvfp4.dequantize_nvfp4` against global ``1 / weight_scale_2``.
     ``input_scale``, ``k_scale`` and ``v_scale`` are not weights and are skipped. The model is
     built from ``config.json`` minus ``quantization_config``.

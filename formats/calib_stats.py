@@ -6,7 +6,7 @@ the weights of the activation-weighted scale search). Module names are checkpoin
 (``model.layers.3.mlp.experts.7.up_proj``), whatever transformers calls them in memory.
 
 Expert fallback (FC-13, the rule of ModelOpt's DeepSeek flow ``fixup_moe_expert_amax``,
-formats_spec.md C.1): a routed expert that received fewer than ``min_tokens`` tokens takes,
+docs/formats.md §C.1): a routed expert that received fewer than ``min_tokens`` tokens takes,
 for each of its projections, the largest input amax of that projection over the experts of
 its layer that did reach the threshold (or, if none did, over all experts that saw any
 token, then over the shared expert / dense Linears fed the same hidden state). Its weight

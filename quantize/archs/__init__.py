@@ -9,13 +9,13 @@ Facts live here as data rows, each with its source:
   vllm/model_executor/models/deepseek_v2.py), GLM-5.3-Flash KDA
   ``in_proj_qkvbfg_a = [q, k, v, b, f_a, g_a]`` and indexer ``wk_weights_proj = [wk,
   weights_proj]`` (vLLM glm5next ``load_weights`` stacked_params_mapping / vllm#56327
-  ``Glm5NextForConditionalGeneration.packed_modules_mapping``; formats_spec.md A.3.4, B.3.3).
+  ``Glm5NextForConditionalGeneration.packed_modules_mapping``; docs/formats.md §A.3.4, §B.3.3).
 - Roles: what a Linear is (routed expert, shared expert, dense MLP, MLA, KDA, indexer,
   attention, vision), found from the module name *and the sibling modules present*, never
   from a substring alone. Recipes may match ``role:<name>``.
 - Sensitive modules kept in high precision whatever the recipe: embeddings, lm_head and the
   MTP ``shared_head.head``, MoE routers (identified structurally, FC-16), the MTP ``eh_proj``
-  (vLLM builds it as a plain nn.Linear, formats_spec.md A.3.1), vision towers, and per
+  (vLLM builds it as a plain nn.Linear, docs/formats.md §A.3.1), vision towers, and per
   model_type the DSA indexer ``weights_proj`` (bf16 in the GLM-5 FP8 release; llm-compressor
   glm5_example.py: "sensitive to quantization").
 - Release layouts: how the FP8 releases store each tensor on disk (for the fixture builder).
@@ -430,7 +430,7 @@ rows then up rows) and [E, H, I] (``DeepseekV3Experts``, ``GlmMoeDsaExperts``,
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 """On-disk per-expert Linears: ``<block>.experts.<E>.{gate_proj,up_proj,down_proj}``
-(formats_spec.md A.3.1, A.3.3)."""
+(docs/formats.md §A.3.1, §A.3.3)."""
 
 LAYER_OUTPUT_CARRY: dict[str, tuple[str, ...]] = {
     # Glm5NextTextDecoderLayer returns (hidden_states, topk_indices); the model passes the
@@ -443,7 +443,7 @@ layer that the extras feed, in order. Layers of other model types return the hid
 
 ATTENTION_CHILDREN = ("self_attn", "attention", "attn")
 """Attribute names of a decoder layer's attention block; compressed-tensors stores FP8 KV
-scales on it as ``<layer>.self_attn.k_scale`` (formats_spec.md B.4)."""
+scales on it as ``<layer>.self_attn.k_scale`` (docs/formats.md §B.4)."""
 
 _EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
 

@@ -12,9 +12,9 @@ so every TP rank stores the whole record (vLLM ``MLAAttentionSpec`` with one KV 
 | nvfp4    | L/2 packed e2m1, one e4m3 block scale per 16, R bf16       | L/2 + L/16 + 2R  |
 
 The fp8 row is FlashMLA's ``fp8_ds_mla`` record (deepseek-ai/FlashMLA README, vLLM
-``kv_cache_dtype="fp8_ds_mla"``; eval_anchors.md 4.3). The nvfp4 row is NVFP4 numerics
+``kv_cache_dtype="fp8_ds_mla"``; docs/eval.md §4.3). The nvfp4 row is NVFP4 numerics
 (e2m1 codes, e4m3 scale per 16, one f32 global scale per layer, not per token) applied to the
-latent with RoPE kept bf16 — derived, not a published engine layout (eval_anchors.md 4.5).
+latent with RoPE kept bf16 — derived, not a published engine layout (docs/eval.md §4.5).
 DeepSeek-V3 geometry (L 512, R 64): 1152 / 656 / 416. GLM-5.3-Flash (``glm5_next``:
 L 512, R 0, NoPE MLA): 1024 / 528 / 288.
 
@@ -27,7 +27,7 @@ bf16 gate score for ``index_kpool`` tokens, vLLM ``Glm5NextTailCache``) is a fix
 per-sequence state: 2 · 2 · kpool · index_head_dim B per indexer layer.
 
 GQA / MHA: ``2 · H_kv · D · b`` with b = 2 (bf16) or 1 (fp8), and ``2 · H_kv · (D/2 + D/16)``
-for nvfp4 (eval_anchors.md 6.2, 4.5). KV heads are split across TP ranks (never below one).
+for nvfp4 (docs/eval.md §6.2, §4.5). KV heads are split across TP ranks (never below one).
 Sliding-window layers are counted as full attention (an upper bound).
 
 KDA: no per-token record. Each sequence holds, per layer and rank, three bf16 short-conv

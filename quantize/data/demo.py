@@ -153,7 +153,7 @@ def fp8_source_from_gguf(gguf: Path, out: Path, n_shards: int = 4) -> Path:
     Same layout as :func:`build_demo` (decoder projections in block FP8 with
     ``weight_scale_inv``, everything else bf16; a separate bf16 ``lm_head.weight`` when the
     model's embeddings are untied). Used for real models shipped as GGUF on PyPI
-    (real_inputs.md), e.g. Qwen2.5-Coder-1.5B-Instruct for the evaluation figures.
+    (docs/inputs.md), e.g. Qwen2.5-Coder-1.5B-Instruct for the evaluation figures.
 
     Raises:
         FileExistsError: ``out`` exists.

@@ -1,7 +1,7 @@
 """``quantize check``: will an engine load this build? Reads headers, configs and the scale
 tensors only (never a weight).
 
-Rules, each a finding with the tensor or module it is about (formats_spec.md B.3.6):
+Rules, each a finding with the tensor or module it is about (docs/formats.md §B.3.6):
 
 - ``config``: the target ``quantization_config`` replaced the source's; compressed-tensors
   status / groups; ModelOpt ``hf_quant_config.json`` with the keys the engine requires,

@@ -5,11 +5,11 @@ Conventions:
 - NVFP4 activations (W4A4): 16-element blocks along K, e4m3 block scale computed at run
   time, static global scale from calibration, ``2688 / amax_in`` in the compressed-tensors
   direction (``input_global_scale``); ModelOpt stores the reciprocal ``amax_in / 2688``
-  (``input_scale``) [formats_spec.md B.0; compressed-tensors NVFP4 preset ``dynamic:
+  (``input_scale``) [docs/formats.md §B.0; compressed-tensors NVFP4 preset ``dynamic:
   "local"``; modelopt ``NVFP4QTensor.get_activation_scaling_factor``].
 - FP8 e4m3 KV cache: one per-tensor scale in the dequant direction, ``amax / 448``, for K and
   for V (compressed-tensors ``k_scale``/``v_scale``, ModelOpt ``k_proj.k_scale`` /
-  ``v_proj.v_scale``: "kv cache scale as amax / 448") [formats_spec.md B.4].
+  ``v_proj.v_scale``: "kv cache scale as amax / 448") [docs/formats.md §B.4].
 """
 
 import torch

@@ -71,7 +71,7 @@ def scale_2_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     (nvidia-modelopt ``NVFP4QTensor.get_weights_scaling_factor_2``).
 
     An all-zero tensor (amax 0) gets 1.0, where modelopt would divide by zero and emit NaN
-    block scales (library_facts.md); 1.0 is the reciprocal of compressed-tensors' fallback.
+    block scales (docs/formats.md §L); 1.0 is the reciprocal of compressed-tensors' fallback.
     """
     a = torch.as_tensor(amax, dtype=torch.float32).reshape(()).abs()
     s2 = a / NVFP4_GLOBAL_NUMERATOR

@@ -12,7 +12,7 @@ Order of precedence, one place:
    % 128) -> kept in high precision, with the reason;
 5. a fused group whose member was kept by 2 or 4 is kept whole, so engines never see a
    half-quantized fused GEMM (vLLM "Detected some but not all shards of ... are
-   quantized", formats_spec.md A.2.3).
+   quantized", docs/formats.md §A.2.3).
 """
 
 from dataclasses import dataclass

@@ -143,8 +143,8 @@ def test_w4a4_build_runs_with_activation_quantization(llama, tmp_path):
 
 
 def test_modelopt_w4a4_input_scale_and_kv_scales(llama, tmp_path):
-    """ModelOpt W4A4: ``input_scale`` = amax_in / 2688 (0-dim, dequant direction, formats_spec.md
-    B.2.1), one per fused group; quant_algo NVFP4; k/v scales as ``k_proj.k_scale``; weights the
+    """ModelOpt W4A4: ``input_scale`` = amax_in / 2688 (0-dim, dequant direction, docs/formats.md
+    §B.2.1), one per fused group; quant_algo NVFP4; k/v scales as ``k_proj.k_scale``; weights the
     same bytes as the weight-only ModelOpt build; the build passes ``quantize check``."""
     from quantize.inspect.check import check_build
     from quantize.kernels.nvfp4 import scale_2_from_amax

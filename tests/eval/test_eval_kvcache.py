@@ -94,7 +94,7 @@ def test_bytes_per_token():
     assert [kv_bytes_per_token(smol, d)["per_layer"] for d in ("bf16", "fp8", "nvfp4")] == [768, 384, 216]
     dsv3 = {"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 128,
             "hidden_size": 7168}
-    # eval_anchors 4.3 / 4.5 / 6.2: 1152 B bf16, 576 B per-tensor fp8, 416 B NVFP4 latent + bf16 RoPE
+    # docs/eval.md §4.3 / §4.5 / §6.2: 1152 B bf16, 576 B per-tensor fp8, 416 B NVFP4 latent + bf16 RoPE
     assert [kv_bytes_per_token(dsv3, d)["per_layer"] for d in ("bf16", "fp8", "nvfp4")] == [1152, 576, 416]
     assert kv_bytes_per_token(dsv3, "bf16")["total"] == 70272
     hybrid = {**qwen, "layer_types": ["linear_attention", "full_attention"] * 14}

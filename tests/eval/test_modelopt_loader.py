@@ -1,4 +1,4 @@
-"""``load_model`` dispatch and the ModelOpt NVFP4 loader (formats_spec.md B.2.1)."""
+"""``load_model`` dispatch and the ModelOpt NVFP4 loader (docs/formats.md §B.2.1)."""
 
 import json
 

@@ -24,7 +24,7 @@ def glm5_next_defaults() -> dict:
 
 def test_mla_records_on_deepseek_geometry():
     # 512 latent + 64 RoPE: BF16 (512+64)*2; FlashMLA fp8_ds_mla 512 e4m3 + 4 f32 + 64 bf16
-    # (eval_anchors.md 4.3: bytes 0-511, 512-527, 528-655); NVFP4 derived (4.5): 256+32+128.
+    # (docs/eval.md §4.3: bytes 0-511, 512-527, 528-655); NVFP4 derived (§4.5): 256+32+128.
     assert mla_record(512, 64, KVDtype.BF16).nbytes == 1152
     fp8 = mla_record(512, 64, KVDtype.FP8)
     assert [b for _, b in fp8.fields] == [512, 16, 128] and fp8.nbytes == 656
@@ -32,7 +32,7 @@ def test_mla_records_on_deepseek_geometry():
 
 
 def test_deepseek_v3_bytes_per_token_match_the_worked_checks():
-    # eval_anchors.md 6.2: 61 layers -> 70,272 B/token BF16 and 40,016 B fp8_ds_mla.
+    # docs/eval.md §6.2: 61 layers -> 70,272 B/token BF16 and 40,016 B fp8_ds_mla.
     assert kv_model(DEEPSEEK_V3, KVDtype.BF16, tp=2).bytes_per_token == 70_272
     assert kv_model(DEEPSEEK_V3, KVDtype.FP8, tp=8).bytes_per_token == 40_016
 
