@@ -6,10 +6,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from formats.shards import TensorInfo, discard, is_temp_name, read_header
+from formats.shards import TensorInfo, discard, is_temp_name, read_header, read_metadata
 from quantize.base.errors import Finding, OutputError, SourceError, raise_findings
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "trusted_root", "scan_index", "load_index",
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "trusted_root", "scan_index", "load_index", "folder_findings",
+           "FRAMEWORKS",
            "scan_headers", "read_all_headers", "write_json_atomic", "write_index", "carry_plan",
            "carry_files"]
 
@@ -101,6 +102,68 @@ def scan_index(folder: Path, check_files: bool = True
                                 "never loaded nor copied (safetensors only)"))
     skip = bad | set(missing)
     return {k: v for k, v in weight_map.items() if v not in skip}, findings, set(weight_map)
+
+
+FRAMEWORKS = {"tf": "TensorFlow", "flax": "Flax / JAX", "jax": "JAX", "mlx": "MLX",
+              "np": "NumPy", "numpy": "NumPy", "paddle": "PaddlePaddle"}
+"""safetensors ``__metadata__["format"]`` values written by frameworks other than PyTorch
+(transformers writes ``pt``); their tensors have other names and layouts (Keras kernels are
+[in, out], MLX stores its own quantization)."""
+
+
+def folder_findings(folder: Path, weight_map: dict[str, str]) -> list[Finding]:
+    """Is the folder what the index says? (docs/faults.md; kind ``index``)
+
+    - a ``.safetensors`` file the index references no tensor in: an error when it holds
+      tensors the index does not list anywhere (they would be silently left out of the
+      build), else a warning (a stale copy; it is not read). Mistral's
+      ``consolidated*.safetensors`` (its native-format copy beside the transformers shards)
+      is a warning either way;
+    - a referenced shard whose header ``__metadata__["format"]`` names another framework
+      (:data:`FRAMEWORKS`): an error; missing metadata or ``pt`` is fine.
+
+    Reads shard headers only.
+    """
+    folder = Path(folder)
+    out: list[Finding] = []
+    referenced = set(weight_map.values())
+    for p in sorted(folder.glob("*.safetensors")):
+        if p.name in referenced or is_temp_name(p.name) or not p.is_file():
+            continue
+        try:
+            names = set(read_header(p))
+        except SourceError as e:
+            out.append(Finding("warning", "index", f"{p.name} is in the folder but the index "
+                               f"references no tensor in it, and its header is unreadable ({e}); "
+                               "it is not read", shard=p.name))
+            continue
+        extra = sorted(names - set(weight_map))
+        if extra and not p.name.startswith("consolidated"):
+            out.append(Finding("error", "index", f"{p.name} is in the folder but the index "
+                               f"references no tensor in it; it holds {len(extra)} tensor(s) the "
+                               f"index does not list (e.g. {extra[0]}), which would be left out of "
+                               "the build: add them to the index or remove the file",
+                               tensor=extra[0], shard=p.name))
+        else:
+            why = ("Mistral's native-format copy" if p.name.startswith("consolidated")
+                   else f"its {len(names)} tensor(s) are all listed in other shards")
+            out.append(Finding("warning", "index", f"{p.name} is in the folder but the index "
+                               f"references no tensor in it ({why}); it is not read", shard=p.name))
+    for shard in sorted(referenced):
+        path = folder / shard
+        if not path.is_file():
+            continue
+        try:
+            fmt = read_metadata(path).get("format")
+        except SourceError:
+            continue  # the header scan reports it
+        if fmt is not None and fmt != "pt":
+            out.append(Finding("error", "header", f"shard {shard}: header metadata format {fmt!r} "
+                               f"says it was written by {FRAMEWORKS.get(fmt, 'another framework')}, "
+                               "not PyTorch ('pt'); its tensor names and layouts are not "
+                               "transformers': convert it to a PyTorch checkpoint first",
+                               shard=shard, key="__metadata__.format"))
+    return out
 
 
 def load_index(folder: Path, check_files: bool = True) -> dict[str, str]:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from quantize.base.errors import OutputError, SourceError
 
-__all__ = ["TensorInfo", "read_header", "ShardReader", "write_shard_atomic", "sha256_file",
+__all__ = ["TensorInfo", "read_header", "read_metadata", "ShardReader", "write_shard_atomic", "sha256_file",
            "safetensors_prefix", "DIRECT_MIN_BYTES", "prefetch_file", "DTYPE_BYTES", "TORCH_DTYPES", "dtype_name", "discard",
            "is_temp_name"]
 
@@ -94,6 +94,25 @@ def _entry(name: str, key: str, v) -> tuple[str, tuple[int, ...], int, int]:
         raise SourceError(f"shard {name}: malformed header entry for {key}", shard=name,
                           tensor=key) from None
     return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (``{}`` when it has none); e.g. transformers
+    writes ``{"format": "pt"}``, TensorFlow ``tf``, Flax ``flax``, MLX ``mlx``.
+
+    Raises:
+        SourceError: naming the shard on a missing, truncated or malformed header.
+    """
+    _, hlen = _header_size(path)
+    with open(path, "rb") as f:
+        f.seek(8)
+        raw = f.read(hlen)
+    try:
+        meta = json.loads(raw).get("__metadata__") or {}
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError) as e:
+        raise SourceError(f"shard {path.name}: header is not valid JSON ({str(e)[:80]})",
+                          shard=path.name) from None
+    return meta if isinstance(meta, dict) else {}
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:

@@ -15,9 +15,22 @@ opens as a Source with headers and no data: planning works, ``read`` raises.
 
 A *logical* tensor is what the model sees: an FP8 weight and its scale are one logical
 tensor named like the weight, read back as float32. Scale sidecars never leave this module.
+
+Fused 3-D experts (transformers >= 5 in-memory layout saved as is, ``archs.FUSED_EXPERT_PARAMS``):
+``<block>.experts.gate_up_proj`` [E, 2I, H] (gate rows then up rows) and
+``<block>.experts.down_proj`` [E, H, I], dense only, are split into the per-expert Linears
+engines load, ``<block>.experts.<e>.{gate_proj,up_proj,down_proj}.weight`` [I, H] / [H, I]
+(the names of DeepSeek / GLM releases and vLLM's expert mapping; docs/formats.md). Any other
+3-D tensor under ``.experts.`` is refused: written through unquantized it would sit in a build
+whose config says every Linear is NVFP4.
+
+Activation and KV-cache sidecars of an FP8 source (:data:`DROPPED_SUFFIXES`: static
+``input_scale``, ``k_scale`` / ``v_scale`` ...) are in the source's FP8 convention; they are
+never carried into a build (``Source.dropped``, reported by the converter; docs/faults.md).
 """
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -25,20 +38,27 @@ from pathlib import Path
 
 import torch
 
-from formats.checkpoint import scan_headers, scan_index
+from formats.checkpoint import folder_findings, scan_headers, scan_index
 from formats.shards import ShardReader, TensorInfo, prefetch_file, read_header
 from quantize import archs
 from quantize.base.errors import Finding, SourceError, raise_findings
 from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast
 
-__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "inspect_source", "open_source"]
+__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "inspect_source", "open_source",
+           "describe_dropped", "DROPPED_SUFFIXES", "SCALE_DTYPES"]
 
 FP8_DTYPES = {"F8_E4M3"}
-SCALE_DTYPES = {"F32", "BF16", "F16"}
-# compressed-tensors sidecars that describe activations or the KV cache of an FP8 model;
-# they do not carry over to a re-quantized weight and are reported as dropped.
-CT_DROPPED_SUFFIXES = (".input_scale", ".input_zero_point", ".output_scale", ".k_scale",
-                       ".v_scale", ".q_scale", ".weight_zero_point")
+SCALE_DTYPES = {"F32", "BF16", "F16", "F8_E8M0"}
+"""Stored dtypes of an FP8 weight's scale; ``F8_E8M0`` (2^(b-127), the ue8m0 scales of
+DeepSeek-V3.1-style releases) is read as float32 powers of two."""
+DROPPED_SUFFIXES = (".input_scale", ".input_zero_point", ".output_scale", ".k_scale",
+                    ".v_scale", ".q_scale", ".prob_scale", ".kv_scale", ".activation_scale",
+                    ".weight_zero_point")
+"""Sidecars of an FP8 source (block FP8 or compressed-tensors) that describe its activations
+or KV cache in the FP8 convention (static e4m3 input scales, FP8 KV scales amax/448); they do
+not carry over to a re-quantized weight and are dropped and reported (``Source.dropped``)."""
+CT_DROPPED_SUFFIXES = DROPPED_SUFFIXES  # former name
+_FUSED_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<param>[A-Za-z0-9_]+)(?:\.weight)?$")
 
 
 class SourceKind(str, Enum):
@@ -52,13 +72,15 @@ class SourceKind(str, Enum):
 @dataclass(frozen=True)
 class LogicalTensor:
     """A tensor as the model sees it: name, shard of its data, shape, source dtype, and the
-    scale sidecar (FP8 only)."""
+    scale sidecar (FP8 only). ``part`` ``(stored name, expert e, row start, row stop)``: rows
+    ``[start, stop)`` of expert ``e`` of a fused 3-D expert tensor [E, R, C] (module docstring)."""
 
     name: str
     shard: str
     shape: tuple[int, ...]
     dtype: str
     scale: TensorInfo | None = None
+    part: tuple[str, int, int, int] | None = None
 
     @property
     def is_fp8(self) -> bool:
@@ -77,6 +99,7 @@ class _Fp8Layout:
     scale_suffix: str  # "_scale_inv" (block FP8) or "_scale" (compressed-tensors)
     block: tuple[int, int] | None = None
     group: int | None = None
+    scale_fmt: str | None = None  # block FP8 "ue8m0": scales declared powers of two
 
 
 class ShardFiles:
@@ -121,8 +144,9 @@ class ShardFiles:
 class Source:
     """A source checkpoint folder with lazy, dequantizing reads.
 
-    ``findings`` holds the FP8 pairing problems found while building the logical tensors
-    (kind ``fp8``); :func:`open_source` refuses a source that has any. ``unreadable`` names
+    ``findings`` holds the FP8 pairing and fused-expert problems found while building the
+    logical tensors (kind ``fp8``; :func:`open_source` refuses a source with any error) and
+    warnings (F8_E8M0 scales under a config that declares no ``scale_fmt: ue8m0``). ``unreadable`` names
     tensors the index lists whose shard or header entry could not be read (already reported).
     """
 
@@ -135,6 +159,7 @@ class Source:
         self.files = files or ShardFiles(self.folder)
         self.tensors: dict[str, LogicalTensor] = {}
         self.dropped: list[str] = []
+        self.split: dict[str, list[str]] = {}  # fused 3-D expert tensor -> its logical tensors
         # O_DIRECT for shards already on disk; a fetched shard was just written (its bytes are
         # in the page cache)
         self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path,
@@ -147,13 +172,18 @@ class Source:
         whose header failed) are already reported and never reported again here."""
         problems: list[tuple[str, str]] = []
         suffix = self.layout.scale_suffix if self.layout else None
+        fused = self._split_fused_experts(problems)
+        e8m0: dict[str, list[str]] = {}
+        warnings: list[Finding] = []
         for name, info in sorted(self.infos.items()):
+            if name in fused:
+                continue
             if suffix and name.endswith(".weight" + suffix):
                 if name[: -len(suffix)] not in self.infos and name[: -len(suffix)] not in unreadable:
                     problems.append((name, f"orphan scale {name} in {info.shard}: no weight "
                                            f"{name[: -len(suffix)]}"))
                 continue
-            if self.kind is SourceKind.CT_FP8 and name.endswith(CT_DROPPED_SUFFIXES):
+            if self.kind is not SourceKind.DENSE and name.endswith(DROPPED_SUFFIXES):
                 self.dropped.append(name)
                 continue
             scale = None
@@ -172,19 +202,92 @@ class Source:
                 if err:
                     problems.append((name, err))
                     continue
+                if scale.dtype == "F8_E8M0" and self.layout.scale_fmt != "ue8m0":
+                    e8m0.setdefault(scale.shard, []).append(scale.name)
             elif info.dtype.startswith("F8"):
                 problems.append((name, f"{name} in {info.shard} has dtype {info.dtype}; only "
                                        "F8_E4M3 FP8 sources are supported"))
                 continue
             self.tensors[name] = LogicalTensor(name, info.shard, info.shape, info.dtype, scale)
-        return [Finding("error", "fp8", msg, tensor=n, shard=self.infos[n].shard)
-                for n, msg in problems]
+        for shard, names in sorted(e8m0.items()):
+            warnings.append(Finding(
+                "warning", "fp8", f"shard {shard}: {len(names)} scale(s) stored as F8_E8M0 (e.g. "
+                f"{names[0]}) but quantization_config declares no scale_fmt 'ue8m0'; read as the "
+                "powers of two they encode", tensor=names[0], shard=shard))
+        return [Finding("error", "fp8", msg, tensor=n, shard=self.infos[n].shard if n in self.infos
+                        else self.tensors[n].shard if n in self.tensors else None)
+                for n, msg in problems] + warnings
+
+    def _split_fused_experts(self, problems: list[tuple[str, str]]) -> set[str]:
+        """Logical per-expert tensors from fused 3-D experts (module docstring); problems for
+        every 3-D tensor under ``.experts.`` that is not that layout. Returns the stored
+        names consumed (split or refused)."""
+        consumed: set[str] = set()
+        blocks: dict[str, dict[str, TensorInfo]] = {}
+        for name, info in self.infos.items():
+            m = _FUSED_EXPERT.match(name)
+            if m and len(info.shape) >= 3:
+                blocks.setdefault(m["block"], {})[m["param"]] = info
+                consumed.add(name)
+        hidden = archs.text_config(self.config).get("hidden_size")
+        want = "; expected transformers' experts.gate_up_proj [E, 2I, H] (gate rows then up " \
+               "rows) with experts.down_proj [E, H, I]"
+        refuse = "refusing to write routed experts unquantized under a config that says every " \
+                 "Linear is quantized"
+        for block, params in sorted(blocks.items()):
+            gu, down = params.get("gate_up_proj"), params.get("down_proj")
+            odd = sorted(set(params) - {"gate_up_proj", "down_proj"})
+            if odd:
+                info = params[odd[0]]
+                problems.append((info.name, f"fused 3-D expert tensor {info.name} {list(info.shape)} in "
+                                 f"{info.shard}: layout not understood{want}; {refuse}"))
+                continue
+            if gu is None or down is None:
+                have = gu or down
+                problems.append((have.name, f"fused 3-D expert tensor {have.name} in {have.shard} "
+                                 f"has no {block}.{'down_proj' if down is None else 'gate_up_proj'}"
+                                 f"{want}; {refuse}"))
+                continue
+            if any(i.dtype.startswith("F8") or i.dtype in ("U8", "I8") for i in (gu, down)):
+                q = gu if gu.dtype.startswith("F8") or gu.dtype in ("U8", "I8") else down
+                problems.append((q.name, f"fused 3-D expert tensor {q.name} in {q.shard} has dtype "
+                                 f"{q.dtype}: only bf16 / fp16 / fp32 fused experts are split; "
+                                 f"dequantize it or store the experts per expert; {refuse}"))
+                continue
+            ok = (len(gu.shape) == 3 and len(down.shape) == 3 and gu.shape[0] == down.shape[0]
+                  and gu.shape[1] % 2 == 0 and gu.shape[1] // 2 == down.shape[2]
+                  and gu.shape[2] == down.shape[1] and (hidden is None or gu.shape[2] == hidden))
+            if not ok:
+                problems.append((gu.name, f"fused 3-D expert tensors {gu.name} {list(gu.shape)} and "
+                                 f"{down.name} {list(down.shape)} in {gu.shard} do not fit each other"
+                                 f"{' and hidden_size ' + str(hidden) if hidden is not None else ''}"
+                                 f"{want}; {refuse}"))
+                continue
+            e_count, rows, h = gu.shape
+            inter = rows // 2
+            names = []
+            for e in range(e_count):
+                for proj, info, start, stop, shape in (
+                        ("gate_proj", gu, 0, inter, (inter, h)), ("up_proj", gu, inter, rows, (inter, h)),
+                        ("down_proj", down, 0, h, (h, inter))):
+                    n = f"{block}.{e}.{proj}.weight"
+                    if n in self.infos:
+                        problems.append((n, f"{n} is stored both per expert and in the fused "
+                                         f"{info.name} ({info.shard}); keep one of them"))
+                        continue
+                    self.tensors[n] = LogicalTensor(n, info.shard, shape, info.dtype, None,
+                                                    (info.name, e, start, stop))
+                    names.append(n)
+            self.split[gu.name] = [n for n in names if self.tensors[n].part[0] == gu.name]
+            self.split[down.name] = [n for n in names if self.tensors[n].part[0] == down.name]
+        return consumed
 
     def _check_scale(self, w: TensorInfo, s: TensorInfo) -> str | None:
         if len(w.shape) != 2:
             return f"FP8 weight {w.name} in {w.shard} is {len(w.shape)}-D; expected 2-D"
         if s.dtype not in SCALE_DTYPES:
-            return f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32, BF16 or F16"
+            return (f"scale {s.name} in {s.shard} has dtype {s.dtype}; expected F32, BF16, F16 "
+                    "or F8_E8M0")
         n, k = w.shape
         lay = self.layout
         if lay.block:
@@ -251,10 +354,13 @@ class Source:
         """
         self._require_data(name)
         t = self.tensors[name]
+        if t.part is not None:
+            stored, e, start, stop = t.part
+            return self._reader.get(t.shard, stored, rows=(e, e + 1))[0, start:stop].clone()
         raw = self._reader.get(t.shard, name)
         if t.scale is None:
             return raw
-        scale = self._reader.get(t.scale.shard, t.scale.name)
+        scale = self._scale(t)
         if self.layout.block:
             return dequantize_fp8_block(raw, scale, self.layout.block)
         return dequantize_fp8_broadcast(raw, scale, self.layout.group)
@@ -277,7 +383,7 @@ class Source:
             return None
         self._require_data(name)
         raw = self._reader.get(t.shard, name)
-        scale = self._reader.get(t.scale.shard, t.scale.name)
+        scale = self._scale(t)
         n, k = raw.shape
         if self.layout.block:
             return raw, scale, tuple(self.layout.block)
@@ -305,19 +411,26 @@ class Source:
         scale rows they use."""
         self._require_data(name)
         t = self.tensors[name]
+        if t.part is not None:
+            return self.read(name)[start:stop].clone()
         raw = self._reader.get(t.shard, name, rows=(start, stop))
         if t.scale is None:
             return raw
         lay = self.layout
         if lay.block:
             bh = lay.block[0]
-            s = self._reader.get(t.scale.shard, t.scale.name, rows=(start // bh, -(-stop // bh)))
+            s = _e8m0_as_f32(self._reader.get(t.scale.shard, t.scale.name,
+                                              rows=(start // bh, -(-stop // bh))))
             s = s.repeat_interleave(bh, dim=0)[start - (start // bh) * bh:][: stop - start]
             return dequantize_fp8_block(raw, s, (1, lay.block[1]))
         scale_rows = t.scale.shape[0] if len(t.scale.shape) == 2 else 1
-        s = (self._reader.get(t.scale.shard, t.scale.name, rows=(start, stop))
-             if scale_rows == t.shape[0] and scale_rows > 1 else self.read_raw(t.scale.name))
+        s = _e8m0_as_f32(self._reader.get(t.scale.shard, t.scale.name, rows=(start, stop))
+                         if scale_rows == t.shape[0] and scale_rows > 1 else self.read_raw(t.scale.name))
         return dequantize_fp8_broadcast(raw, s, lay.group)
+
+    def _scale(self, t: LogicalTensor) -> torch.Tensor:
+        """The scale of FP8 ``t`` as stored, F8_E8M0 as float32 (powers of two)."""
+        return _e8m0_as_f32(self._reader.get(t.scale.shard, t.scale.name))
 
     def _require_data(self, name: str) -> None:
         if not self.has_data:
@@ -327,6 +440,24 @@ class Source:
 
     def close(self) -> None:
         self._reader.close()
+
+
+def _e8m0_as_f32(scale: torch.Tensor) -> torch.Tensor:
+    return scale.to(torch.float32) if scale.dtype == torch.float8_e8m0fnu else scale
+
+
+def describe_dropped(names: list[str]) -> str:
+    """One summary line for the sidecars a source dropped (``Source.dropped``): count, count
+    per kind and an example, e.g. ``dropped 3 FP8 activation/KV sidecars (input_scale 1,
+    k_scale 1, v_scale 1; e.g. a.input_scale): ...``."""
+    kinds: dict[str, int] = {}
+    for n in names:
+        k = n.rsplit(".", 1)[-1]
+        kinds[k] = kinds.get(k, 0) + 1
+    per = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+    return (f"dropped {len(names)} FP8 activation/KV sidecars ({per}; e.g. {sorted(names)[0]}): "
+            "they are in the source's FP8 convention and are not carried into the build "
+            "(quantize calibrate writes W4A4 input scales and FP8 KV scales in the target's)")
 
 
 def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]:
@@ -344,7 +475,9 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
             raise SourceError(f"quantization_config.weight_block_size must be [rows, cols], got {block!r}",
                               key="quantization_config.weight_block_size")
-        return SourceKind.BLOCK_FP8, _Fp8Layout("_scale_inv", block=tuple(block))
+        fmt = qc.get("scale_fmt")
+        return SourceKind.BLOCK_FP8, _Fp8Layout("_scale_inv", block=tuple(block),
+                                                scale_fmt=fmt if isinstance(fmt, str) else None)
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
         fmts = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
@@ -457,6 +590,8 @@ def inspect_source(folder: str | Path, files: ShardFiles | None = None
     weight_map, idx_findings, listed = scan_index(folder, check_files=files.check_on_open)
     infos, hdr_findings = scan_headers(folder, weight_map, files.header)
     findings += idx_findings + hdr_findings
+    if type(files) is ShardFiles:  # a Hub source's folder holds only what it fetched
+        findings += folder_findings(folder, weight_map)
     if not layout_ok or not weight_map:
         return None, findings
     unreadable = frozenset(n for n in listed if n not in infos)

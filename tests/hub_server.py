@@ -106,6 +106,11 @@ class FakeHub:
         self.reject_yaml: str | None = None
         self.watch: Path | None = None  # a cache dir: sample its blob bytes at each shard GET
         self.samples: list[dict] = []
+        # injected failures: {"method", "path" (regex, re.search), "status", "retry_after"
+        # (header value or None), "times"}; each matching request is answered with the status
+        # until "times" runs out (a flaky Hub: 429 rate limits, 503 overload)
+        self.flaky: list[dict] = []
+        self.failed: list[dict] = []  # the requests answered by an injected failure
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -218,11 +223,30 @@ def _handler(hub: FakeHub):
                              range=self.headers.get("Range"), **kw)
 
         # ---- verbs -------------------------------------------------------------------
+        def _flaky(self, body: bool = False) -> bool:
+            """Answer with an injected failure when one matches (the request body, if any,
+            is read first so the connection stays usable)."""
+            path = unquote(urlsplit(self.path).path)
+            with hub._lock:
+                hit = next((f for f in hub.flaky if f["times"] > 0 and f["method"] == self.command
+                            and re.search(f["path"], path)), None)
+                if hit is None:
+                    return False
+                hit["times"] -= 1
+                hub.failed.append({"method": self.command, "path": path, "status": hit["status"]})
+            if body:
+                self._body()
+            extra = {"Retry-After": hit["retry_after"]} if hit.get("retry_after") is not None else {}
+            self._error(hit["status"], "Flaky", f"injected {hit['status']}", extra)
+            return True
+
         def do_HEAD(self):
-            self._get(head=True)
+            if not self._flaky():
+                self._get(head=True)
 
         def do_GET(self):
-            self._get(head=False)
+            if not self._flaky():
+                self._get(head=False)
 
         def _get(self, head: bool) -> None:
             url = urlsplit(self.path)
@@ -290,6 +314,8 @@ def _handler(hub: FakeHub):
             self._send(status, blob.read(start, end), headers)
 
         def do_POST(self):
+            if self._flaky(body=True):
+                return
             path = unquote(urlsplit(self.path).path)
             body = self._body()
             self._log(bytes_in=len(body))
@@ -366,6 +392,8 @@ def _handler(hub: FakeHub):
             self._json(200, {"transfer": "basic", "objects": objects})
 
         def do_PUT(self):
+            if self._flaky(body=True):
+                return
             path = urlsplit(self.path).path
             m = _LFS_PUT.match(path)
             if not m:

@@ -51,7 +51,7 @@ from formats.shards import (
     is_temp_name,
     write_shard_atomic,
 )
-from formats.sources import ShardFiles, Source
+from formats.sources import ShardFiles, Source, describe_dropped
 from quantize import __version__, archs
 from quantize.base.errors import CalibrationError, CheckFailed, OutputError, SourceError
 from quantize.base.memory import (
@@ -86,6 +86,7 @@ from quantize.plan.tensors import (
     module_of,
     predict_outputs,
     tied_embeddings,
+    unplaced_note,
 )
 
 __all__ = ["Summary", "convert"]
@@ -682,8 +683,9 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
         notes.append("lm_head.weight differs from embed_tokens although tie_word_embeddings "
                      "is true: kept, and the flag set false (FC-23)")
     if source.dropped:
-        notes.append(f"dropped {len(source.dropped)} FP8 activation/KV sidecars "
-                     f"(e.g. {source.dropped[0]})")
+        notes.append(describe_dropped(source.dropped))
+    if (note := unplaced_note(decisions)) is not None:
+        notes.append(note)
     for d in decisions.values():
         if not d.reason.startswith(("recipe ", "sensitive:", "not a Linear")):
             notes.append(f"{d.name} kept as {d.target.value}: {d.reason}")
@@ -786,8 +788,8 @@ def _finish(job: _Job, out: Path, scheme: str, options: dict, headers: dict, cou
     source, decisions, skip, writer = job.source, job.decisions, job.skip, job.writer
     src = source.folder
     index = write_index(out, job.out_shards)
-    linear = {n: d for n, d in decisions.items()
-              if n not in skip and module_of(n) and len(source.tensors[n].shape) == 2}
+    linear = {n: d for n, d in decisions.items()  # N-D weights (Conv): in ignore too
+              if n not in skip and module_of(n) and len(source.tensors[n].shape) >= 2}
     targets = {module_of(n): d.target.value for n, d in linear.items() if d.target.quantized}
     ignore = sorted({module_of(n) for n, d in linear.items() if not d.target.quantized})
     if tied and "lm_head" not in ignore:

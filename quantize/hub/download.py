@@ -33,6 +33,8 @@ from formats.checkpoint import (
 from formats.shards import TensorInfo, read_header, sha256_file
 from formats.sources import ShardFiles, Source, open_source
 from quantize.base.errors import SourceError
+from quantize.hub.retry import MAX_RETRIES, RETRY_STATUS
+from quantize.hub.retry import install as install_retries
 
 __all__ = ["REPO_REF", "STATE_NAME", "HubShards", "hub_errors", "open_hub_source", "parse_repo_ref"]
 
@@ -87,6 +89,11 @@ def hub_errors(repo: str, revision: str | None, error: type = SourceError):
         raise error(f"{where}: not available offline (HF_HUB_OFFLINE=1) in the cache "
                           f"{constants.HF_HUB_CACHE}: {e}") from None
     except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in RETRY_STATUS:
+            raise error(f"{where}: Hub request failed (HTTP {status}) after {MAX_RETRIES} retries "
+                        f"with exponential backoff; gave up: {e}. Re-run the same command later: "
+                        "it resumes") from None
         raise error(f"{where}: Hub request failed: {e}") from None
     except (httpx2.TransportError, ConnectionError) as e:
         raise error(f"{where}: cannot reach the Hub ({e}); set HF_HUB_OFFLINE=1 to use the "
@@ -251,6 +258,7 @@ def open_hub_source(ref: str, out: Path, *, keep_source: bool = False
     if constants.is_offline_mode():
         source, info = _open_offline(repo, revision)
         return source, info, None
+    install_retries()
     api = HfApi()
     with hub_errors(repo, revision):
         model = api.model_info(repo, revision=revision, files_metadata=True)

@@ -10,10 +10,13 @@ Order, so that nothing reaches the Hub before every check has passed:
 4. ``--dry-run`` stops here and returns the card and the file plan;
 5. the Hub checks the card (``ModelCard.validate``, ``/api/validate-yaml``) — FC-33;
 6. ``create_repo`` (``--private``), ``create_branch`` (``--revision``), then the build's files
-   with ``HfApi.upload_folder`` (huggingface_hub's large-folder path: with ``hf_xet`` it streams
-   through Xet in several commits, and re-running after an interruption skips committed files
-   and already-uploaded chunks; without it, LFS objects already stored are not sent again), and
-   last the card as ``README.md``, so a repo never shows a card without its weights.
+   and the card as ``README.md`` in one ``HfApi.create_commit``: the blobs are uploaded first
+   (LFS objects, or Xet chunks with ``hf_xet``, already stored are not sent again when a
+   re-run resumes an interrupted upload) and the one commit makes weights and card appear
+   together, so a repo never shows weights without their card nor a card without weights.
+
+Every Hub call retries 429 / 5xx with bounded backoff (``quantize.hub.retry``); a file over
+:data:`HUB_FILE_LIMIT` is refused before any byte is sent.
 
 The build's own ``README.md`` (the source's card, carried by the converter) is not uploaded:
 the rendered card replaces it. Hidden files (resume ledgers, caches) are not uploaded.
@@ -25,8 +28,28 @@ from pathlib import Path
 from quantize.base.errors import CardError, GateFailed, OutputError
 from quantize.hub.card import load_build, read_gate, render_card, validate_card
 from quantize.hub.download import hub_errors
+from quantize.hub.retry import install as install_retries
 
-__all__ = ["Upload", "upload_build", "file_plan"]
+__all__ = ["Upload", "upload_build", "file_plan", "HUB_FILE_LIMIT", "check_file_sizes"]
+
+HUB_FILE_LIMIT = 50 * 10**9
+"""Largest file the Hub accepts (50 GB, its documented per-file limit; docs/faults.md)."""
+
+
+def check_file_sizes(files: list[tuple[str, int]], limit: int | None = None) -> None:
+    """Refuse files over the Hub's per-file limit before anything is sent.
+
+    Raises:
+        OutputError: naming each file and its size, with the fix (smaller shards).
+    """
+    limit = HUB_FILE_LIMIT if limit is None else limit
+    big = [(rel, n) for rel, n in files if n > limit]
+    if big:
+        listed = ", ".join(f"{rel} ({n / 1e9:.1f} GB)" for rel, n in big)
+        raise OutputError(f"{len(big)} file(s) exceed the Hub's per-file limit of "
+                          f"{limit / 1e9:g} GB: {listed}; nothing was uploaded. Re-shard the "
+                          "build into smaller files (convert from a source with smaller shards)",
+                          key=big[0][0])
 
 
 @dataclass
@@ -46,7 +69,7 @@ class Upload:
         lines = [f"file plan for {self.repo_id} (revision {self.revision}): {len(self.files) + 1} "
                  f"files, {total / 2**20:.1f} MiB"]
         lines += [f"  {n:>14,}  {rel}" for rel, n in self.files]
-        lines.append(f"  {len(self.card.encode()):>14,}  README.md (rendered card, uploaded last)")
+        lines.append(f"  {len(self.card.encode()):>14,}  README.md (rendered card, committed with the weights)")
         if self.forced:
             lines.append(f"  --force: {self.forced}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -117,11 +140,13 @@ def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
     text = str(card)
     validate_card(text)
     up = Upload(repo_id, revision or "main", text, file_plan(build), forced)
+    check_file_sizes(up.files)
     if dry_run:
         return up
 
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
+    install_retries()
     with hub_errors(repo_id, revision, OutputError):
         try:
             card.validate(repo_type="model")
@@ -132,11 +157,10 @@ def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        api.upload_folder(repo_id=repo_id, folder_path=build, revision=revision,
-                          allow_patterns=[rel for rel, _ in up.files],
-                          commit_message="Upload NVFP4 build (spark-quant)")
-        commit = api.upload_file(path_or_fileobj=text.encode(), path_in_repo="README.md",
-                                 repo_id=repo_id, revision=revision,
-                                 commit_message="Model card (spark-quant)")
+        ops = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(build / rel))
+               for rel, _ in up.files]
+        ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=text.encode()))
+        commit = api.create_commit(repo_id=repo_id, operations=ops, revision=revision,
+                                   commit_message="Upload NVFP4 build and model card (spark-quant)")
     up.commit_url = commit.commit_url
     return up

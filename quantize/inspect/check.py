@@ -7,7 +7,11 @@ Rules, each a finding with the tensor or module it is about (docs/formats.md §B
   status / groups; ModelOpt ``hf_quant_config.json`` with the keys the engine requires,
   ``ignore`` == ``exclude_modules`` (FC-25); format supported by the engine.
 - ``layout``: every quantized module has exactly its format's tensors with consistent
-  shapes and dtypes; no ``*_scale_inv`` left over (FC-03).
+  shapes and dtypes; no ``*_scale_inv`` left over (FC-03); no 3-D fused expert tensor
+  (``experts.gate_up_proj`` ...: engines load per-expert Linears, docs/faults.md).
+- ``scale``: no scale tensor (``weight_scale``, ``input_scale``, ``input_global_scale``...)
+  on a module whose weight is unquantized, no ``k_scale`` / ``v_scale`` in a build whose
+  config declares no KV-cache quantization (a carried FP8-source sidecar; docs/faults.md).
 - ``ignore``: every unquantized Linear weight is ignored / excluded and no quantized module
   is (FC-15; vLLM's substring and wildcard matching included); each quantized module is
   claimed by the config group of its own format.
@@ -121,7 +125,39 @@ def _modules(infos: dict[str, TensorInfo], fmt: str, out: list) -> dict[str, _Mo
         mods[mod] = m
         for p in problems:
             out.append(Finding("error", "layout", p, mod))
+        scales = sorted(k for k in t if k not in ("weight", "weight_packed"))
+        if m.kind == "unquantized" and scales:
+            out.append(Finding("error", "scale", f"{', '.join(scales)} attached to a module the "
+                               f"config leaves unquantized (weight {t['weight'].dtype}): engines "
+                               "never read it (a carried FP8-source sidecar?)", mod))
+    for name, info in infos.items():
+        if len(info.shape) > 2 and ".experts." in name:
+            out.append(Finding("error", "layout", f"{len(info.shape)}-D fused expert tensor "
+                               f"{list(info.shape)} in {info.shard}: engines load per-expert "
+                               "Linears (experts.<e>.gate_proj / up_proj / down_proj), so it "
+                               "would be loaded unquantized or not at all", name))
     return mods
+
+
+def _kv_scale_findings(config: dict, folder: Path, fmt: str, infos: dict[str, TensorInfo],
+                       out: list) -> None:
+    """k/v scales need the config's KV-cache quantization (``kv_cache_scheme`` or ModelOpt
+    ``kv_cache_quant_algo``); without it they are a carried sidecar in an unknown convention."""
+    kv = [n for n in infos if n.endswith((".k_scale", ".v_scale"))]
+    if not kv:
+        return
+    qc = config.get("quantization_config") or {}
+    if fmt == "compressed-tensors":
+        declared = bool(qc.get("kv_cache_scheme"))
+    else:
+        path = folder / "hf_quant_config.json"
+        q = json.loads(path.read_text()).get("quantization") or {} if path.is_file() else {}
+        declared = bool(q.get("kv_cache_quant_algo") or qc.get("kv_cache_quant_algo"))
+    if not declared:
+        out.append(Finding("error", "scale", f"{len(kv)} k_scale / v_scale tensor(s) (e.g. "
+                           f"{sorted(kv)[0]}) in a build whose config declares no KV-cache "
+                           "quantization: engines ignore them or read them in the wrong "
+                           "convention", sorted(kv)[0]))
 
 
 # ---- target matching (engine semantics) --------------------------------------------------
@@ -405,6 +441,7 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
                            "NVFP4 build (the source FP8 config must be replaced)", "config.json"))
         return out
     mods = _modules(infos, fmt, out)
+    _kv_scale_findings(config, folder, fmt, infos, out)
     reader = ShardReader(folder, max_open=2)
     try:
         if fmt == "compressed-tensors":

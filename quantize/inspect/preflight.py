@@ -8,7 +8,8 @@ once (a user with a 300 GiB download wants the whole list, not one error per hou
   pairs, scale dtypes and shapes;
 - scale values: every FP8 scale tensor is read (they are ~1/16000 of the weights for
   128x128 blocks): NaN / Inf and negative scales are errors, zero scales a warning, a scale
-  that lets |w| exceed :data:`ABSURD_AMAX` an error;
+  that lets |w| exceed :data:`ABSURD_AMAX` an error; under ``scale_fmt: ue8m0`` scales that
+  are not powers of two are a warning per shard (the stored values are used as they are);
 - layout (``quantize.archs.check_layout``): config.json and the index agree on layers, MTP
   layers and experts;
 - hostile input: custom code is reported (copied as a file, never executed), links leading
@@ -113,6 +114,8 @@ def scan_scales(source: Source) -> list[Finding]:
     # Its own reader on the files in the folder: the source's reader would make the shard
     # "in use" for the Hub streaming (fetch / release order) before conversion starts.
     reader = ShardReader(source.folder, max_open=1)
+    ue8m0 = source.layout.scale_fmt == "ue8m0"
+    not_pow2: dict[str, list] = {}  # shard -> [(scale name, first offending value, count)]
     try:
         for info in scales:
             try:
@@ -121,8 +124,20 @@ def scan_scales(source: Source) -> list[Finding]:
                 out.append(Finding("info", "scale", f"{info.name} not checked up front: {e}"))
                 continue
             out += _scale_findings(info, s, info.name[: -len(source.layout.scale_suffix)])
+            if ue8m0 and info.dtype != "F8_E8M0":
+                pos = s[torch.isfinite(s) & (s > 0)]
+                odd = pos[torch.frexp(pos).mantissa != 0.5]
+                if odd.numel():
+                    not_pow2.setdefault(info.shard, []).append((info.name, float(odd[0]), odd.numel()))
     finally:
         reader.close()
+    for shard, hits in sorted(not_pow2.items()):
+        name, value, _ = hits[0]
+        out.append(Finding("warning", "scale", f"shard {shard}: quantization_config declares "
+                           f"scale_fmt 'ue8m0' but {len(hits)} scale tensor(s) hold "
+                           f"{sum(h[2] for h in hits)} value(s) that are not powers of two (first "
+                           f"{name} = {value:.9g}); they are used as stored", tensor=name,
+                           shard=shard))
     return out
 
 
@@ -150,7 +165,8 @@ def _scale_findings(info, s: torch.Tensor, weight: str) -> list[Finding]:
 
 
 def _layout_findings(source: Source) -> list[Finding]:
-    shapes = {n: i.shape for n, i in source.infos.items()}
+    shapes = {n: i.shape for n, i in source.infos.items() if n not in source.split}
+    shapes.update({n: source.tensors[n].shape for names in source.split.values() for n in names})
     shapes.update({n: None for n in source.unreadable})
     return [Finding(level, "layout", msg, tensor=t)
             for level, msg, t in archs.check_layout(source.config, shapes)]

@@ -73,6 +73,10 @@ class Recipe:
     description: str = ""
     sha256: str = ""
 
+    def places(self, module: str, roles: frozenset[str] = frozenset()) -> bool:
+        """True when a rule matches ``module`` (else :meth:`resolve` keeps it by default)."""
+        return any(rule.matches(module, roles) for rule in self.rules)
+
     def resolve(self, module: str, roles: frozenset[str] = frozenset()) -> Target:
         """Target of ``module`` (with its ``archs.module_roles``): first matching rule, else keep."""
         for rule in self.rules:

@@ -26,7 +26,8 @@ from quantize import archs
 from quantize.base.errors import RecipeError
 from quantize.plan.recipe import Recipe, Target
 
-__all__ = ["Decision", "plan_tensors", "module_of", "dropped_tensors", "predict_outputs",
+__all__ = ["Decision", "plan_tensors", "module_of", "dropped_tensors", "predict_outputs", "unplaced",
+           "unplaced_note", "UNPLACED",
            "predicted_bytes", "fp8_passthrough", "explain", "kv_scale_anchor"]
 
 
@@ -45,6 +46,10 @@ class Decision:
 def module_of(name: str) -> str | None:
     """Module name of a Linear-style weight (``x.y.weight`` -> ``x.y``), else None."""
     return name[: -len(".weight")] if name.endswith(".weight") and len(name) > len(".weight") else None
+
+
+UNPLACED = "no recipe rule matches"
+"""Reason of a Linear weight no rule of the recipe matches (kept unquantized, in ``ignore``)."""
 
 
 def _kept(t: LogicalTensor) -> Target:
@@ -106,7 +111,9 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
     for t in source.tensors.values():
         mod = module_of(t.name)
         if mod is None or len(t.shape) != 2 or 0 in t.shape:
-            out[t.name] = Decision(t.name, _kept(t), "not a Linear weight")
+            why = (f"not a Linear weight ({len(t.shape)}-D)" if mod is not None and len(t.shape) > 2
+                   else "not a Linear weight")
+            out[t.name] = Decision(t.name, _kept(t), why)
             continue
         grp = archs.fused_group_of(mod, modules)
         gid, members = grp if grp else (None, ())
@@ -119,7 +126,8 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
         if target is Target.KEEP and t.is_fp8:
             target = Target.BF16
         wanted[t.name] = target
-        reason = f"recipe {recipe.name}"
+        reason = (f"recipe {recipe.name}" if recipe.places(mod, roles)
+                  else f"recipe {recipe.name}: {UNPLACED}")
         if target.quantized:
             bad = align_violations(engine, target.value, t.shape, archs.tp_split(mod), tp,
                                    "routed_expert" in roles)
@@ -140,6 +148,23 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
     return out
 
 
+def unplaced(decisions: dict[str, Decision]) -> list[str]:
+    """Weights no recipe rule places, sorted: 2-D Linear weights no rule matches and N-D
+    (N > 2) ``.weight`` tensors, which are no Linear (e.g. a vision tower's Conv). Both are
+    written unquantized and their modules listed in ``ignore``."""
+    return sorted(n for n, d in decisions.items()
+                  if d.reason.endswith(UNPLACED) or d.reason.startswith("not a Linear weight ("))
+
+
+def unplaced_note(decisions: dict[str, Decision]) -> str | None:
+    """The converter's summary note for :func:`unplaced` (None when every weight is placed)."""
+    names = unplaced(decisions)
+    if not names:
+        return None
+    return (f"{len(names)} weight(s) no recipe rule places, written unquantized and listed in "
+            f"ignore: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+
+
 def _refuse_split_groups(out: dict[str, Decision], wanted: dict[str, Target], recipe: Recipe) -> None:
     seen = set()
     for d in out.values():
@@ -158,7 +183,8 @@ def fp8_passthrough(source: Source, name: str):
     """The scale sidecar (``TensorInfo``) when ``name`` is stored as 128x128 block FP8 whose
     bytes can pass through to an ``fp8-block`` target untouched, else None."""
     t = source.tensors[name]
-    if t.is_fp8 and source.layout is not None and source.layout.block == (128, 128):
+    if (t.is_fp8 and source.layout is not None and source.layout.block == (128, 128)
+            and t.scale.dtype in ("F32", "BF16")):  # an F8_E8M0 scale is re-quantized
         return t.scale
     return None
 

@@ -77,7 +77,7 @@ def test_upload_publishes_build_then_card(build, tmp_path):
         for rel in local - {"README.md"}:
             assert files[rel].read() == (build / rel).read_bytes(), rel
         card = files["README.md"].read().decode()
-        # The card went last, in its own commit, after the Hub had checked it.
+        # One commit holds weights and card, after the Hub had checked the card.
         posts = [e["path"] for e in hub.log if e["method"] == "POST"]
         assert posts[0] == "/api/validate-yaml" and posts[-1].endswith("/commit/spark")
     meta = validate_card(card)
@@ -196,7 +196,7 @@ def test_gate_refusal_and_force(build, tmp_path, capsys):
     assert "> **Published with `--force`:** eval gate failed: kl.mean_kl 0.31 (limit <= 0.05)." in printed
     assert "Eval gate: **failed: kl.mean_kl 0.31 (limit <= 0.05)**." in printed
     assert "**eval gate" not in printed  # not "Eval gate: **eval gate failed"
-    assert "README.md (rendered card, uploaded last)" in printed
+    assert "README.md (rendered card, committed with the weights)" in printed
 
 
 def test_partial_or_unfinished_gate_is_not_a_release(build, tmp_path, capsys):
@@ -253,3 +253,72 @@ def test_demo_build_card(demo_build):
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "| `model.layers.*.self_attn.q_proj` | NVFP4 (e2m1, e4m3 block scale / 16, f32 global scale) | 30 |" in card
     assert "| `model.embed_tokens` | kept as in the source | 1 |" in card
+
+
+# ---- a flaky Hub (issue 17 kind 5) -------------------------------------------------------
+def test_retry_waits_honour_retry_after_and_back_off():
+    import httpx2
+
+    from quantize.hub.retry import RetryTransport
+
+    answers = [(429, {"Retry-After": "3"}), (503, {}), (503, {"Retry-After": "120"}), (200, {})]
+    calls, slept = [], []
+
+    def reply(request):
+        calls.append(request.method)
+        status, headers = answers[len(calls) - 1]
+        return httpx2.Response(status, headers=headers)
+
+    t = RetryTransport(httpx2.MockTransport(reply), sleep=slept.append)
+    with httpx2.Client(transport=t) as c:
+        assert c.post("http://hub/api/x", content=b"{}").status_code == 200
+    assert slept == [3.0, 2.0, 60.0] and len(calls) == 4  # Retry-After, 2^1 backoff, cap 60
+    calls.clear(), slept.clear()
+    answers[:] = [(503, {})] * 7
+    t = RetryTransport(httpx2.MockTransport(reply), sleep=slept.append)
+    with httpx2.Client(transport=t) as c:
+        assert c.get("http://hub/api/x").status_code == 503
+    assert slept == [1.0, 2.0, 4.0, 8.0, 8.0] and len(calls) == 6  # then it gives up
+
+
+def test_upload_through_429_and_503_commits_weights_with_card(build, tmp_path):
+    with FakeHub(token=TOKEN) as hub:
+        hub.flaky = [{"method": "POST", "path": r"/preupload/", "status": 503, "retry_after": "0", "times": 2},
+                     {"method": "POST", "path": r"/commit/", "status": 429, "retry_after": "0", "times": 1},
+                     {"method": "GET", "path": r"^/api/models/", "status": 503, "retry_after": "0", "times": 1}]
+        rc, out, err = _upload([str(build), "--repo", "me/tiny-nvfp4"], hub, tmp_path)
+        assert rc == 0, err
+        assert [(f["method"], f["status"]) for f in hub.failed if f["path"].endswith("/main")] == \
+            [("POST", 503), ("POST", 503), ("POST", 429)]
+        assert "Hub: POST /api/models/me/tiny-nvfp4/commit/main: HTTP 429; retry 1/5 in 0s" in err
+        files = hub.repos["me/tiny-nvfp4"].files()
+        assert "README.md" in files and set(files) == {rel for rel, _ in
+                                                        __import__("quantize.hub.upload", fromlist=["x"]).file_plan(build)} | {"README.md"}
+        assert len([e for e in hub.log if "/commit/" in e["path"]]) == 1  # one commit: weights + card
+
+
+def test_upload_gives_up_after_retries_and_commits_nothing(build, tmp_path):
+    with FakeHub(token=TOKEN) as hub:
+        hub.flaky = [{"method": "POST", "path": r"/commit/", "status": 503, "retry_after": "0", "times": 99}]
+        rc, out, err = _upload([str(build), "--repo", "me/tiny-nvfp4"], hub, tmp_path)
+        assert rc == 1, err
+        assert "Hub: giving up on POST /api/models/me/tiny-nvfp4/commit/main after 5 retries (HTTP 503)" in err
+        assert ("me/tiny-nvfp4@main on " + hub.url + ": Hub request failed (HTTP 503) after 5 "
+                "retries with exponential backoff; gave up:") in err
+        assert "Re-run the same command later: it resumes" in err
+        assert len(hub.failed) == 6
+        assert hub.repos["me/tiny-nvfp4"].files() == {}  # no weights without their card
+
+
+def test_file_over_hub_limit_refused_before_any_byte(build, monkeypatch):
+    from quantize.base.errors import OutputError
+    from quantize.hub import upload
+
+    monkeypatch.setattr(upload, "HUB_FILE_LIMIT", 2000)
+    big = [rel for rel, n in upload.file_plan(build) if n > 2000]
+    with pytest.raises(OutputError) as e:
+        upload_build(build, "me/tiny-nvfp4", dry_run=False)
+    assert str(e.value).startswith(f"{len(big)} file(s) exceed the Hub's per-file limit of 2e-06 GB: "
+                                   f"{big[0]} (")
+    assert str(e.value).endswith("; nothing was uploaded. Re-shard the build into smaller files "
+                                 "(convert from a source with smaller shards)")
