@@ -40,8 +40,10 @@ from compressed_tensors.quantization import (
 )
 
 from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
+from quantize.kernels.act_scales import input_global_scale_from_amax
+from quantize.kernels.nvfp4 import global_scale_from_amax
 
-__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "emit_nvfp4", "emit_fp8_block", "emit_mxfp8", "emit_kv_scales",
+__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "nvfp4_weight_scalar", "nvfp4_input_scalar", "emit_nvfp4", "emit_fp8_block", "emit_mxfp8", "emit_kv_scales",
            "output_specs", "kv_scale_specs", "quantization_config", "extra_files", "QUANTIZED_SUFFIXES",
            "compact_targets"]
 
@@ -57,26 +59,37 @@ _KV_SCHEMES = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dy
                        "symmetric": True}}
 
 
+def nvfp4_weight_scalar(amax: torch.Tensor | float) -> torch.Tensor:
+    """The one NVFP4 weight scalar of this format, from the amax of the tensor or its fused
+    group: the quantize-direction global scale ``2688 / amax``, float32 [1]. The kernels divide
+    by ``block_scale / scalar`` (``NVFP4_ORDER`` ``global``) and :func:`emit_nvfp4` stores it."""
+    return global_scale_from_amax(amax)
+
+
+def nvfp4_input_scalar(amax_in: torch.Tensor | float) -> torch.Tensor:
+    """W4A4 input scalar from the calibrated input amax: ``input_global_scale = 2688 / amax_in``,
+    quantize direction, float32 [1]."""
+    return input_global_scale_from_amax(amax_in)
+
+
 def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
-               global_scale: torch.Tensor, scale_2: torch.Tensor | None = None, *,
-               input_global_scale: torch.Tensor | None = None,
-               input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               scalar: torch.Tensor, *, input_scalar: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Name the NVFP4 tensors of ``module`` for this format.
 
     Args:
         packed: uint8 [N, K/2]. block_scale: float8_e4m3fn [N, K/16].
-        global_scale: float32 [1], quantize direction (2688 / amax), stored as is.
-        scale_2: unused here (ModelOpt's dequant-direction scalar).
-        input_global_scale: float32 [1], W4A4 only, quantize direction (2688 / amax_in).
-        input_scale: unused here (ModelOpt's dequant-direction input scalar).
+        scalar: :func:`nvfp4_weight_scalar`, float32 [1], quantize direction (2688 / amax),
+            stored as ``weight_global_scale``.
+        input_scalar: :func:`nvfp4_input_scalar`, W4A4 only, float32 [1] (2688 / amax_in),
+            stored as ``input_global_scale``.
     """
     out = {
         f"{module}.weight_packed": packed,
         f"{module}.weight_scale": block_scale,
-        f"{module}.weight_global_scale": global_scale.to(torch.float32).reshape(1),
+        f"{module}.weight_global_scale": scalar.to(torch.float32).reshape(1),
     }
-    if input_global_scale is not None:
-        out[f"{module}.input_global_scale"] = input_global_scale.to(torch.float32).reshape(1)
+    if input_scalar is not None:
+        out[f"{module}.input_global_scale"] = input_scalar.to(torch.float32).reshape(1)
     return out
 
 

@@ -36,8 +36,10 @@ Converting to compressed-tensors is renaming plus reciprocal scalars
 import torch
 
 from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
+from quantize.kernels.act_scales import input_scale_from_amax
+from quantize.kernels.nvfp4 import scale_2_from_amax
 
-__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "HF_QUANT_CONFIG", "emit_nvfp4", "emit_fp8_block",
+__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "HF_QUANT_CONFIG", "nvfp4_weight_scalar", "nvfp4_input_scalar", "emit_nvfp4", "emit_fp8_block",
            "emit_mxfp8", "emit_kv_scales", "output_specs", "kv_scale_specs", "quant_algo_of", "hf_quant_config", "quantization_config",
            "extra_files", "to_compressed_tensors", "from_compressed_tensors"]
 
@@ -53,24 +55,36 @@ _LAYER_ALGO = {"nvfp4": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
                "mxfp8": {"quant_algo": "MXFP8", "group_size": 32}}
 
 
+def nvfp4_weight_scalar(amax: torch.Tensor | float) -> torch.Tensor:
+    """The one NVFP4 weight scalar of this format, from the amax of the tensor or its fused
+    group: the dequant-direction ``weight_scale_2 = amax / 2688``, float32 0-dim (1.0 for an
+    all-zero tensor). The kernels divide by ``block_scale * scalar`` (``NVFP4_ORDER``
+    ``scale_2``) and :func:`emit_nvfp4` stores it."""
+    return scale_2_from_amax(amax)
+
+
+def nvfp4_input_scalar(amax_in: torch.Tensor | float) -> torch.Tensor:
+    """W4A4 input scalar from the calibrated input amax: ``input_scale = amax_in / 2688``,
+    dequant direction, float32 0-dim (formats_spec.md B.2.1; ModelOpt
+    ``NVFP4QTensor.get_activation_scaling_factor``)."""
+    return input_scale_from_amax(amax_in)
+
+
 def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
-               global_scale: torch.Tensor | None, scale_2: torch.Tensor, *,
-               input_global_scale: torch.Tensor | None = None,
-               input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               scalar: torch.Tensor, *, input_scalar: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Name the NVFP4 tensors of ``module``.
 
     Args:
         packed: uint8 [N, K/2]. block_scale: float8_e4m3fn [N, K/16].
-        global_scale: unused (compressed-tensors' quantize-direction scalar).
-        scale_2: float32, dequant direction (amax / 2688), written 0-dim as ModelOpt does.
-        input_global_scale: unused (compressed-tensors' quantize-direction input scalar).
-        input_scale: float32, W4A4 only, dequant direction (amax_in / 2688), written 0-dim
-            (formats_spec.md B.2.1; ModelOpt ``NVFP4QTensor.get_activation_scaling_factor``).
+        scalar: :func:`nvfp4_weight_scalar`, float32, dequant direction (amax / 2688), stored
+            0-dim as ``weight_scale_2`` as ModelOpt does.
+        input_scalar: :func:`nvfp4_input_scalar`, W4A4 only, float32 (amax_in / 2688),
+            stored 0-dim as ``input_scale``.
     """
     out = {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
-           f"{module}.weight_scale_2": scale_2.to(torch.float32).reshape(())}
-    if input_scale is not None:
-        out[f"{module}.input_scale"] = input_scale.to(torch.float32).reshape(())
+           f"{module}.weight_scale_2": scalar.to(torch.float32).reshape(())}
+    if input_scalar is not None:
+        out[f"{module}.input_scale"] = input_scalar.to(torch.float32).reshape(())
     return out
 
 
