@@ -34,7 +34,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantize import archs
@@ -327,6 +327,101 @@ def preflight(build: str | Path, baseline: str | Path | None, opts: EvalOptions,
                      baseline_endpoint and _served_model(baseline_endpoint))
 
 
+@dataclass
+class _Run:
+    """One ``quantize eval`` run as the suites see it: the checked inputs, the models
+    (``sides``: ``build`` and, with a baseline, ``baseline``), and what the suites have
+    produced so far (``results``, ``timings``, passkey records, texts for the degenerate
+    detector, data hashes). :meth:`finish` gates it and writes the report."""
+
+    opts: EvalOptions
+    build: Path
+    base: Path | None
+    baseline_endpoint: str | None
+    thresholds: dict
+    warnings: list[str]
+    lengths: list[int]
+    tok: object
+    chat: bool  # the tokenizer has a chat template
+    pk_prompts: list | None
+    out: Path
+    task_dir: Path
+    device: str
+    sides: dict
+    versions: dict
+    data: dict = field(default_factory=dict)
+    done: list[str] = field(default_factory=list)
+    results: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    pk_rows: list[dict] = field(default_factory=list)
+    texts_for_degenerate: dict = field(default_factory=dict)
+
+    @property
+    def suites(self) -> list[str]:
+        return list(self.opts.suites)
+
+    @property
+    def backend(self) -> str:
+        return "endpoint" if self.opts.endpoint else "in-process"
+
+    def suite_done(self, name: str, r: dict, t0: float) -> None:
+        """A suite finished: its results and seconds under its name, the report rewritten."""
+        self.results[name] = r
+        self.timings[name] = time.time() - t0
+        self.done.append(name)
+        self.finish(False)
+
+    def finish(self, complete: bool) -> dict:
+        """Gate what has run so far and (re)write the report; called after every suite so a
+        run cut short (a time limit, a crash) still leaves the finished suites on disk."""
+        from eval.degenerate import degenerate_summary
+        from eval.gate import (
+            gate_checks,
+            gate_passed,
+            release_scope,
+            skipped_without_baseline,
+        )
+        from eval.report import card_results, gate_reason, write_report
+
+        opts, results, base, out = self.opts, self.results, self.base, self.out
+        if any(self.texts_for_degenerate.values()):
+            results["degenerate"] = {name: degenerate_summary(t) for name, t in self.texts_for_degenerate.items()}
+        checks = gate_checks(results, self.thresholds)
+        passed = complete and gate_passed(checks)
+        scope = {"suites": self.suites, "suites_done": list(self.done), "limit": opts.limit,
+                 "baseline": self.baseline_endpoint or (str(base) if base else None), "backend": self.backend,
+                 "n": _scope_n(results, self.pk_prompts),
+                 **release_scope(self.suites, self.done, opts.limit, base and str(base), self.backend)}
+        if self.pk_rows:
+            _write_jsonl(out / "passkey_records.jsonl", self.pk_rows)
+        files = {f.relative_to(out).as_posix() for f in _artifacts(out) if not f.name.endswith(".tmp")}
+        thresholds = self.thresholds
+        report = {
+            "schema": "spark-quant-eval/1", "complete": complete, "warnings": self.warnings,
+            "build": _describe(self.build), "baseline": _describe(base),
+            "backend": {"build": self.backend,
+                        "endpoint": opts.endpoint, "endpoint_model": self.sides["build"].endpoint_model,
+                        "baseline": ("endpoint" if self.baseline_endpoint else "in-process") if base else None,
+                        "device": self.device, "device_name": _device_name(self.device)},
+            "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()},
+            "versions": self.versions,
+            "seeds": {"lm_eval": opts.seed, "passkey": opts.seed},
+            "thresholds": {"file": thresholds["_file"], "version": thresholds["version"],
+                           "sha256": thresholds["_sha256"], "defaulted": thresholds["_defaulted"]},
+            "data": self.data,
+            "suites": results,
+            "timings_s": self.timings,
+            "results": card_results(results, opts.limit),
+            "scope": scope,
+            "files": sorted(files | {"report.json", "report.md"}),
+            "gate": {"passed": passed, "release": passed and scope["release"],
+                     "reason": gate_reason(checks, complete, scope),
+                     "skipped": [] if base else skipped_without_baseline(results), "checks": checks},
+        }
+        write_report(report, out)
+        return report
+
+
 def run_eval(build: str | Path, baseline: str | Path | None = None,
              opts: EvalOptions | None = None, baseline_endpoint: str | None = None) -> dict:
     """Run ``opts.suites`` on ``build`` (against ``baseline``), gate, write the report.
@@ -350,184 +445,147 @@ def run_eval(build: str | Path, baseline: str | Path | None = None,
         OSError: an endpoint cannot be reached (the URL is named).
         All of these are raised before anything is written or any model is loaded.
     """
-    from eval.degenerate import degenerate_summary
-    from eval.gate import (
-        gate_checks,
-        gate_passed,
-        release_scope,
-        skipped_without_baseline,
-    )
-    from eval.report import card_results, gate_reason, write_report
+    run = _start(build, baseline, opts or EvalOptions(), baseline_endpoint)
+    for name, suite in _SUITE_RUNS.items():  # in SUITES order, whatever the order asked
+        if name in run.suites:
+            suite(run)
+    return run.finish(True)
 
-    opts = opts or EvalOptions()
+
+def _start(build, baseline, opts: EvalOptions, baseline_endpoint: str | None) -> _Run:
+    """Pre-flight, the tokenizer and passkey prompts, the report folder (cleared of a previous
+    run's files), the sides and the lm-eval task files."""
     pre = preflight(build, baseline, opts, baseline_endpoint)
-    build, base, thresholds, lengths, warnings = (
-        pre.build, pre.baseline, pre.thresholds, pre.lengths, pre.warnings)
-    suites = list(opts.suites)
-    for w in warnings:
+    for w in pre.warnings:
         print(f"warning: {w}", file=sys.stderr)
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(build)
+    tok = AutoTokenizer.from_pretrained(pre.build)
     chat = bool(getattr(tok, "chat_template", None))
     pk_prompts = None
-    if lengths:
-        from eval.passkey import make_prompts, prompts_sha256
+    if pre.lengths:
+        from eval.passkey import make_prompts
 
-        pk_prompts = make_prompts(tok, lengths, list(opts.passkey_depths), opts.passkey_trials,
+        pk_prompts = make_prompts(tok, pre.lengths, list(opts.passkey_depths), opts.passkey_trials,
                                   opts.passkey_filler, opts.seed)
-    out = Path(opts.out) if opts.out else build / "eval"
+    out = Path(opts.out) if opts.out else pre.build / "eval"
     if out.is_dir():
         _clear_previous(out)
     out.mkdir(parents=True, exist_ok=True)
     cache_dir = Path(opts.cache_dir or os.environ.get("SPARK_QUANT_CACHE")
                      or Path.home() / ".cache" / "spark-quant") / "eval-data"
     device = "endpoint" if opts.endpoint else _resolve_device(opts.device)
-    sides = {"build": _Side("build", build, opts.endpoint, pre.build_model, tok, opts, device)}
-    if base is not None:
+    sides = {"build": _Side("build", pre.build, opts.endpoint, pre.build_model, tok, opts, device)}
+    if pre.baseline is not None:
         bdev = _resolve_device(opts.device)
-        sides["baseline"] = _Side("baseline", base, baseline_endpoint, pre.baseline_model, tok, opts, bdev)
-    backend = "endpoint" if opts.endpoint else "in-process"
-    done: list[str] = []
-    results: dict = {}
-    timings: dict = {}
-    pk_rows: list[dict] = []
-    versions = _versions()
-    data: dict = {}
+        sides["baseline"] = _Side("baseline", pre.baseline, baseline_endpoint, pre.baseline_model, tok,
+                                  opts, bdev)
+    run = _Run(opts, pre.build, pre.baseline, baseline_endpoint, pre.thresholds, pre.warnings,
+               pre.lengths, tok, chat, pk_prompts, out, out / "tasks", device, sides, _versions(),
+               texts_for_degenerate={name: [] for name in sides})
     if pk_prompts:
-        data["passkey_prompts_sha256"] = prompts_sha256(pk_prompts)
-    texts_for_degenerate = {name: [] for name in sides}
-    task_dir = out / "tasks"
-    if {"gsm8k", "mc", "kv-parity"} & set(suites):
+        from eval.passkey import prompts_sha256
+
+        run.data["passkey_prompts_sha256"] = prompts_sha256(pk_prompts)
+    if {"gsm8k", "mc", "kv-parity"} & set(run.suites):
         from eval.harness import write_tasks
 
-        data.update(write_tasks(task_dir, cache_dir, opts.max_gen_toks))
+        run.data.update(write_tasks(run.task_dir, cache_dir, opts.max_gen_toks))
+    return run
 
-    def finish(complete: bool) -> dict:
-        """Gate what has run so far and (re)write the report; called after every suite so a
-        run cut short (a time limit, a crash) still leaves the finished suites on disk."""
-        if any(texts_for_degenerate.values()):
-            results["degenerate"] = {name: degenerate_summary(t) for name, t in texts_for_degenerate.items()}
-        checks = gate_checks(results, thresholds)
-        passed = complete and gate_passed(checks)
-        scope = {"suites": suites, "suites_done": list(done), "limit": opts.limit,
-                 "baseline": baseline_endpoint or (str(base) if base else None), "backend": backend,
-                 "n": _scope_n(results, pk_prompts),
-                 **release_scope(suites, done, opts.limit, base and str(base), backend)}
-        if pk_rows:
-            _write_jsonl(out / "passkey_records.jsonl", pk_rows)
-        files = {f.relative_to(out).as_posix() for f in _artifacts(out) if not f.name.endswith(".tmp")}
-        report = {
-            "schema": "spark-quant-eval/1", "complete": complete, "warnings": warnings,
-            "build": _describe(build), "baseline": _describe(base),
-            "backend": {"build": "endpoint" if opts.endpoint else "in-process",
-                        "endpoint": opts.endpoint, "endpoint_model": sides["build"].endpoint_model,
-                        "baseline": ("endpoint" if baseline_endpoint else "in-process") if base else None,
-                        "device": device, "device_name": _device_name(device)},
-            "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()},
-            "versions": versions,
-            "seeds": {"lm_eval": opts.seed, "passkey": opts.seed},
-            "thresholds": {"file": thresholds["_file"], "version": thresholds["version"],
-                           "sha256": thresholds["_sha256"], "defaulted": thresholds["_defaulted"]},
-            "data": data,
-            "suites": results,
-            "timings_s": timings,
-            "results": card_results(results, opts.limit),
-            "scope": scope,
-            "files": sorted(files | {"report.json", "report.md"}),
-            "gate": {"passed": passed, "release": passed and scope["release"],
-                     "reason": gate_reason(checks, complete, scope),
-                     "skipped": [] if base else skipped_without_baseline(results), "checks": checks},
-        }
-        write_report(report, out)
-        return report
 
-    def suite_done(name: str, r: dict, t0: float) -> None:
-        """A suite finished: its results and seconds under its name, the report rewritten."""
-        results[name] = r
-        timings[name] = time.time() - t0
-        done.append(name)
-        finish(False)
+def _run_kl(run: _Run) -> None:
+    """Teacher-forced KL of the build against the baseline on the essays."""
+    from eval.kl import teacher_forced_kl
+    from quantize.data.texts import essay_texts, texts_sha256
 
-    if "kl" in suites:
-        from eval.kl import teacher_forced_kl
-        from quantize.data.texts import essay_texts, texts_sha256
-
-        t0 = time.time()
-        texts = essay_texts(max(20000, opts.kl_tokens * 8))
-        data["essays_sha256"] = texts_sha256(texts)
-        suite_done("kl", teacher_forced_kl(sides["baseline"].model, sides["build"].model, tok,
+    opts, t0 = run.opts, time.time()
+    texts = essay_texts(max(20000, opts.kl_tokens * 8))
+    run.data["essays_sha256"] = texts_sha256(texts)
+    run.suite_done("kl", teacher_forced_kl(run.sides["baseline"].model, run.sides["build"].model, run.tok,
                                            texts, opts.kl_tokens, opts.kl_window), t0)
 
-    if "gsm8k" in suites:
-        from eval.gsm8k import gsm8k_items, gsm8k_summary, paired_compare
-        from eval.harness import GSM8K_TASK, evaluate
 
-        t0 = time.time()
-        r = {"settings": {"task": GSM8K_TASK, "limit": opts.limit, "chat_template": chat,
-                          "fewshot_as_multiturn": chat, "num_fewshot": 5,
-                          "max_gen_toks": opts.max_gen_toks, "greedy": True}}
-        rows = []
-        items = {}
-        for name, side in sides.items():
-            res = evaluate(side.lm(chat), task_dir, [GSM8K_TASK], opts.limit, chat, opts.seed)
-            items[name] = gsm8k_items(res["samples"][GSM8K_TASK])
-            r[name] = gsm8k_summary(items[name])
-            texts_for_degenerate[name] += [i["response"] for i in items[name]]
-            rows += [{"model": name, **i} for i in items[name]]
-        if "baseline" in items:
-            r["paired"] = {f: paired_compare(items["baseline"], items["build"], f)
-                           for f in ("strict-match", "flexible-extract")}
-        _write_jsonl(out / "gsm8k_samples.jsonl", rows)
-        r["samples_file"] = "gsm8k_samples.jsonl"
-        suite_done("gsm8k", r, t0)
+def _run_gsm8k(run: _Run) -> None:
+    """lm-eval GSM8K on every side, both filters, paired; samples to gsm8k_samples.jsonl."""
+    from eval.gsm8k import gsm8k_items, gsm8k_summary, paired_compare
+    from eval.harness import GSM8K_TASK, evaluate
 
-    if "mc" in suites:
-        from eval.gsm8k import paired_compare
-        from eval.harness import MC_TASK, evaluate
+    opts, chat, t0 = run.opts, run.chat, time.time()
+    r = {"settings": {"task": GSM8K_TASK, "limit": opts.limit, "chat_template": chat,
+                      "fewshot_as_multiturn": chat, "num_fewshot": 5,
+                      "max_gen_toks": opts.max_gen_toks, "greedy": True}}
+    rows = []
+    items = {}
+    for name, side in run.sides.items():
+        res = evaluate(side.lm(chat), run.task_dir, [GSM8K_TASK], opts.limit, chat, opts.seed)
+        items[name] = gsm8k_items(res["samples"][GSM8K_TASK])
+        r[name] = gsm8k_summary(items[name])
+        run.texts_for_degenerate[name] += [i["response"] for i in items[name]]
+        rows += [{"model": name, **i} for i in items[name]]
+    if "baseline" in items:
+        r["paired"] = {f: paired_compare(items["baseline"], items["build"], f)
+                       for f in ("strict-match", "flexible-extract")}
+    _write_jsonl(run.out / "gsm8k_samples.jsonl", rows)
+    r["samples_file"] = "gsm8k_samples.jsonl"
+    run.suite_done("gsm8k", r, t0)
 
-        t0 = time.time()
-        r = {"settings": {"task": MC_TASK, "limit": opts.limit, "num_fewshot": 0,
-                          "chat_template": False, "metric": "acc_norm"}}
-        items = {}
-        for name, side in sides.items():
-            res = evaluate(side.lm(False), task_dir, [MC_TASK], opts.limit, False, opts.seed)
-            items[name] = _mc_items(res["samples"][MC_TASK])
-            n = len(items[name])
-            r[name] = {"n": n, **{m: sum(i["correct"][m] for i in items[name]) / n
-                                  for m in ("acc", "acc_norm")}}
-        if "baseline" in items:
-            r["paired"] = paired_compare(items["baseline"], items["build"], "acc_norm")
-        suite_done("mc", r, t0)
 
-    if "passkey" in suites:
-        from eval.passkey import grid_summary, heatmap_png, run_passkey
+def _run_mc(run: _Run) -> None:
+    """lm-eval ARC-Challenge (log-likelihood) on every side, paired on acc_norm."""
+    from eval.gsm8k import paired_compare
+    from eval.harness import MC_TASK, evaluate
 
-        t0 = time.time()
-        r = {"settings": {"lengths": lengths, "depths": list(opts.passkey_depths),
-                          "trials": opts.passkey_trials, "filler": opts.passkey_filler,
-                          "seed": opts.seed, "chat_template": False}}
-        for name, side in sides.items():
-            recs = run_passkey(side.lm(False), pk_prompts)
-            r[name] = grid_summary(recs)
-            heatmap_png(r[name], out / f"passkey_{name}.png", f"passkey: {name} ({Path(side.folder).name})")
-            r[name]["heatmap"] = f"passkey_{name}.png"
-            texts_for_degenerate[name] += [x["completion"] for x in recs]
-            pk_rows += [{"model": name, "kv": "default", **x} for x in recs]
-        suite_done("passkey", r, t0)
+    opts, t0 = run.opts, time.time()
+    r = {"settings": {"task": MC_TASK, "limit": opts.limit, "num_fewshot": 0,
+                      "chat_template": False, "metric": "acc_norm"}}
+    items = {}
+    for name, side in run.sides.items():
+        res = evaluate(side.lm(False), run.task_dir, [MC_TASK], opts.limit, False, opts.seed)
+        items[name] = _mc_items(res["samples"][MC_TASK])
+        n = len(items[name])
+        r[name] = {"n": n, **{m: sum(i["correct"][m] for i in items[name]) / n
+                              for m in ("acc", "acc_norm")}}
+    if "baseline" in items:
+        r["paired"] = paired_compare(items["baseline"], items["build"], "acc_norm")
+    run.suite_done("mc", r, t0)
 
-    if "kv-parity" in suites:
-        t0 = time.time()
 
-        def progress(res):
-            results["kv_parity"] = res
-            finish(False)
+def _run_passkey(run: _Run) -> None:
+    """The passkey grid on every side, with a heatmap per side."""
+    from eval.passkey import grid_summary, heatmap_png, run_passkey
 
-        _kv_parity(sides["build"], tok, opts, out, task_dir, pk_prompts, pk_rows, data, chat, progress)
-        timings["kv_parity"] = time.time() - t0
-        done.append("kv-parity")
-    return finish(True)
+    opts, t0 = run.opts, time.time()
+    r = {"settings": {"lengths": run.lengths, "depths": list(opts.passkey_depths),
+                      "trials": opts.passkey_trials, "filler": opts.passkey_filler,
+                      "seed": opts.seed, "chat_template": False}}
+    for name, side in run.sides.items():
+        recs = run_passkey(side.lm(False), run.pk_prompts)
+        r[name] = grid_summary(recs)
+        heatmap_png(r[name], run.out / f"passkey_{name}.png", f"passkey: {name} ({Path(side.folder).name})")
+        r[name]["heatmap"] = f"passkey_{name}.png"
+        run.texts_for_degenerate[name] += [x["completion"] for x in recs]
+        run.pk_rows += [{"model": name, "kv": "default", **x} for x in recs]
+    run.suite_done("passkey", r, t0)
+
+
+def _run_kv_parity(run: _Run) -> None:
+    """The build with each KV dtype (:func:`_kv_parity`); the report is rewritten after each."""
+    t0 = time.time()
+
+    def progress(res):
+        run.results["kv_parity"] = res
+        run.finish(False)
+
+    _kv_parity(run.sides["build"], run.tok, run.opts, run.out, run.task_dir, run.pk_prompts, run.pk_rows,
+               run.data, run.chat, progress)
+    run.timings["kv_parity"] = time.time() - t0
+    run.done.append("kv-parity")
+
+
+_SUITE_RUNS = {"kl": _run_kl, "gsm8k": _run_gsm8k, "mc": _run_mc, "passkey": _run_passkey,
+               "kv-parity": _run_kv_parity}
 
 
 def _scope_n(results: dict, pk_prompts: list | None) -> dict:

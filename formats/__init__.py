@@ -25,8 +25,11 @@ SCHEMES = ("w4a16", "w4a4")
 
 
 def get_writer(name: str) -> ModuleType:
-    """The writer module for ``name`` (``emit_nvfp4``, ``emit_fp8_block``, ``emit_mxfp8``,
-    ``output_specs``, ``quantization_config``, ``extra_files``, ``NVFP4_ORDER``).
+    """The writer module for ``name``: ``NVFP4_ORDER`` (the arithmetic order its kernels run),
+    ``nvfp4_weight_scalar`` / ``nvfp4_input_scalar`` (the one scalar of each it stores, from an
+    amax), ``emit_nvfp4``, ``emit_fp8_block``, ``emit_mxfp8``, ``emit_kv_scales``,
+    ``output_specs`` / ``kv_scale_specs`` (names, dtypes, shapes it writes),
+    ``quantization_config``, ``extra_files``.
 
     Raises:
         ValueError: unknown name, listing the valid ones.

@@ -40,44 +40,74 @@ from compressed_tensors.quantization import (
 )
 
 from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
+from quantize.kernels.act_scales import input_global_scale_from_amax
+from quantize.kernels.nvfp4 import global_scale_from_amax
 
-__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "emit_nvfp4", "emit_fp8_block", "emit_mxfp8", "emit_kv_scales",
+__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "NVFP4_NAMES", "KV_NAMES", "GROUP_FORMATS",
+           "nvfp4_weight_scalar", "nvfp4_input_scalar", "nvfp4_global_scale", "emit_nvfp4", "emit_fp8_block", "emit_mxfp8", "emit_kv_scales",
            "output_specs", "kv_scale_specs", "quantization_config", "extra_files", "QUANTIZED_SUFFIXES",
            "compact_targets"]
 
 FORMAT_NAME = "nvfp4-pack-quantized"
 NVFP4_ORDER = "global"
 """compressed-tensors divides by ``block_scale / global_scale`` (quantize direction)."""
-QUANTIZED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale", ".input_global_scale")
+NVFP4_NAMES = {"packed": "weight_packed", "block_scale": "weight_scale",
+               "scalar": "weight_global_scale", "input_scalar": "input_global_scale"}
+"""Local names (after ``<m>.``) of the NVFP4 tensors: what :func:`emit_nvfp4` and
+:func:`output_specs` write, and what ``quantize check`` / ``verify`` look for."""
+QUANTIZED_SUFFIXES = tuple("." + n for n in NVFP4_NAMES.values())
+KV_NAMES = {"k": "k_scale", "v": "v_scale"}
+"""Local names (after ``<attn>.``) of the FP8 KV scales (:func:`emit_kv_scales`)."""
 _PRESETS = {"w4a16": "NVFP4A16", "w4a4": "NVFP4"}
 _TARGET_SCHEME = {"nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"),
                   "fp8-block": ("FP8_BLOCK", "float-quantized"),
                   "mxfp8": ("MXFP8A16", "mxfp8-quantized")}
+GROUP_FORMATS = {target: fmt for target, (_, fmt) in _TARGET_SCHEME.items()}
+"""Quantized target -> the ``format`` of its config group (the top-level ``format`` of a
+build with one target; ``mixed-precision`` for several)."""
 _KV_SCHEMES = {"fp8": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                        "symmetric": True}}
 
 
+def nvfp4_weight_scalar(amax: torch.Tensor | float) -> torch.Tensor:
+    """The one NVFP4 weight scalar of this format, from the amax of the tensor or its fused
+    group: the quantize-direction global scale ``2688 / amax``, float32 [1]. The kernels divide
+    by ``block_scale / scalar`` (``NVFP4_ORDER`` ``global``) and :func:`emit_nvfp4` stores it."""
+    return global_scale_from_amax(amax)
+
+
+def nvfp4_input_scalar(amax_in: torch.Tensor | float) -> torch.Tensor:
+    """W4A4 input scalar from the calibrated input amax: ``input_global_scale = 2688 / amax_in``,
+    quantize direction, float32 [1]."""
+    return input_global_scale_from_amax(amax_in)
+
+
 def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
-               global_scale: torch.Tensor, scale_2: torch.Tensor | None = None, *,
-               input_global_scale: torch.Tensor | None = None,
-               input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               scalar: torch.Tensor, *, input_scalar: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Name the NVFP4 tensors of ``module`` for this format.
 
     Args:
         packed: uint8 [N, K/2]. block_scale: float8_e4m3fn [N, K/16].
-        global_scale: float32 [1], quantize direction (2688 / amax), stored as is.
-        scale_2: unused here (ModelOpt's dequant-direction scalar).
-        input_global_scale: float32 [1], W4A4 only, quantize direction (2688 / amax_in).
-        input_scale: unused here (ModelOpt's dequant-direction input scalar).
+        scalar: :func:`nvfp4_weight_scalar`, float32 [1], quantize direction (2688 / amax),
+            stored as ``weight_global_scale``.
+        input_scalar: :func:`nvfp4_input_scalar`, W4A4 only, float32 [1] (2688 / amax_in),
+            stored as ``input_global_scale``.
     """
+    names = NVFP4_NAMES
     out = {
-        f"{module}.weight_packed": packed,
-        f"{module}.weight_scale": block_scale,
-        f"{module}.weight_global_scale": global_scale.to(torch.float32).reshape(1),
+        f"{module}.{names['packed']}": packed,
+        f"{module}.{names['block_scale']}": block_scale,
+        f"{module}.{names['scalar']}": scalar.to(torch.float32).reshape(1),
     }
-    if input_global_scale is not None:
-        out[f"{module}.input_global_scale"] = input_global_scale.to(torch.float32).reshape(1)
+    if input_scalar is not None:
+        out[f"{module}.{names['input_scalar']}"] = input_scalar.to(torch.float32).reshape(1)
     return out
+
+
+def nvfp4_global_scale(scalar: torch.Tensor) -> torch.Tensor:
+    """The quantize-direction global scale (``2688 / amax``) from the stored weight scalar:
+    ``weight_global_scale`` itself, float32 [1]."""
+    return scalar.reshape(1).to(torch.float32)
 
 
 def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32",
@@ -86,11 +116,12 @@ def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dty
     ``target`` of a weight [N, K] (``scheme`` ``w4a4`` adds NVFP4's ``input_global_scale``)."""
     n, k = shape
     if target == "nvfp4":
-        specs = {f"{module}.weight_packed": ("U8", (n, k // 2)),
-                 f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
-                 f"{module}.weight_global_scale": ("F32", (1,))}
+        names = NVFP4_NAMES
+        specs = {f"{module}.{names['packed']}": ("U8", (n, k // 2)),
+                 f"{module}.{names['block_scale']}": ("F8_E4M3", (n, k // 16)),
+                 f"{module}.{names['scalar']}": ("F32", (1,))}
         if scheme == "w4a4":
-            specs[f"{module}.input_global_scale"] = ("F32", (1,))
+            specs[f"{module}.{names['input_scalar']}"] = ("F32", (1,))
         return specs
     specs = fp8_output_specs(module, target, shape, fp8_scale_dtype)
     if specs is not None:
@@ -102,13 +133,13 @@ def emit_kv_scales(attention: str, k_scale: torch.Tensor, v_scale: torch.Tensor,
                    dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """FP8 KV-cache scales of one attention block: ``<attention>.k_scale`` / ``.v_scale``,
     shape [1], dequant direction (amax / 448), in the attention module's ``dtype``."""
-    return {f"{attention}.k_scale": k_scale.reshape(1).to(dtype),
-            f"{attention}.v_scale": v_scale.reshape(1).to(dtype)}
+    return {f"{attention}.{KV_NAMES['k']}": k_scale.reshape(1).to(dtype),
+            f"{attention}.{KV_NAMES['v']}": v_scale.reshape(1).to(dtype)}
 
 
 def kv_scale_specs(attention: str, dtype: str) -> dict:
     """What :func:`emit_kv_scales` writes: names, safetensors ``dtype`` (the module's) and shapes."""
-    return {f"{attention}.k_scale": (dtype, (1,)), f"{attention}.v_scale": (dtype, (1,))}
+    return {f"{attention}.{KV_NAMES['k']}": (dtype, (1,)), f"{attention}.{KV_NAMES['v']}": (dtype, (1,))}
 
 
 def _template(module: str) -> str:

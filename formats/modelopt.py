@@ -36,8 +36,11 @@ Converting to compressed-tensors is renaming plus reciprocal scalars
 import torch
 
 from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
+from quantize.kernels.act_scales import input_scale_from_amax
+from quantize.kernels.nvfp4 import scale_2_from_amax
 
-__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "HF_QUANT_CONFIG", "emit_nvfp4", "emit_fp8_block",
+__all__ = ["FORMAT_NAME", "NVFP4_ORDER", "HF_QUANT_CONFIG", "NVFP4_NAMES", "KV_NAMES", "ALGO_TARGETS",
+           "nvfp4_weight_scalar", "nvfp4_input_scalar", "nvfp4_global_scale", "emit_nvfp4", "emit_fp8_block",
            "emit_mxfp8", "emit_kv_scales", "output_specs", "kv_scale_specs", "quant_algo_of", "hf_quant_config", "quantization_config",
            "extra_files", "to_compressed_tensors", "from_compressed_tensors"]
 
@@ -46,32 +49,62 @@ NVFP4_ORDER = "scale_2"
 """ModelOpt divides by ``block_scale * scale_2`` (dequant direction) and gives all-zero
 blocks scale 1.0 (``NVFP4QTensor.get_weights_scaling_factor``)."""
 HF_QUANT_CONFIG = "hf_quant_config.json"
+NVFP4_NAMES = {"packed": "weight", "block_scale": "weight_scale",
+               "scalar": "weight_scale_2", "input_scalar": "input_scale"}
+"""Local names (after ``<m>.``) of the NVFP4 tensors: what :func:`emit_nvfp4` and
+:func:`output_specs` write, and what ``quantize check`` / ``verify`` look for."""
+KV_NAMES = {"k": "k_proj.k_scale", "v": "v_proj.v_scale"}
+"""Local names (after ``<attn>.``) of the FP8 KV scales (:func:`emit_kv_scales`)."""
 _W4A4_NVFP4 = {"quant_algo": "NVFP4", "group_size": 16}
 _KV_ALGOS = {"fp8": "FP8"}
 _LAYER_ALGO = {"nvfp4": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
                "fp8-block": {"quant_algo": "FP8_PB_WO"},
                "mxfp8": {"quant_algo": "MXFP8", "group_size": 32}}
+ALGO_TARGETS = {_W4A4_NVFP4["quant_algo"]: "nvfp4",
+                **{algo["quant_algo"]: target for target, algo in _LAYER_ALGO.items()}}
+"""``quant_algo`` (of the build or a ``quantized_layers`` entry) -> the quantized target it
+declares."""
+
+
+def nvfp4_weight_scalar(amax: torch.Tensor | float) -> torch.Tensor:
+    """The one NVFP4 weight scalar of this format, from the amax of the tensor or its fused
+    group: the dequant-direction ``weight_scale_2 = amax / 2688``, float32 0-dim (1.0 for an
+    all-zero tensor). The kernels divide by ``block_scale * scalar`` (``NVFP4_ORDER``
+    ``scale_2``) and :func:`emit_nvfp4` stores it."""
+    return scale_2_from_amax(amax)
+
+
+def nvfp4_input_scalar(amax_in: torch.Tensor | float) -> torch.Tensor:
+    """W4A4 input scalar from the calibrated input amax: ``input_scale = amax_in / 2688``,
+    dequant direction, float32 0-dim (formats_spec.md B.2.1; ModelOpt
+    ``NVFP4QTensor.get_activation_scaling_factor``)."""
+    return input_scale_from_amax(amax_in)
 
 
 def emit_nvfp4(module: str, packed: torch.Tensor, block_scale: torch.Tensor,
-               global_scale: torch.Tensor | None, scale_2: torch.Tensor, *,
-               input_global_scale: torch.Tensor | None = None,
-               input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+               scalar: torch.Tensor, *, input_scalar: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Name the NVFP4 tensors of ``module``.
 
     Args:
         packed: uint8 [N, K/2]. block_scale: float8_e4m3fn [N, K/16].
-        global_scale: unused (compressed-tensors' quantize-direction scalar).
-        scale_2: float32, dequant direction (amax / 2688), written 0-dim as ModelOpt does.
-        input_global_scale: unused (compressed-tensors' quantize-direction input scalar).
-        input_scale: float32, W4A4 only, dequant direction (amax_in / 2688), written 0-dim
-            (docs/formats.md §B.2.1; ModelOpt ``NVFP4QTensor.get_activation_scaling_factor``).
+        scalar: :func:`nvfp4_weight_scalar`, float32, dequant direction (amax / 2688), stored
+            0-dim as ``weight_scale_2`` as ModelOpt does.
+        input_scalar: :func:`nvfp4_input_scalar`, W4A4 only, float32 (amax_in / 2688),
+            stored 0-dim as ``input_scale`` (docs/formats.md §B.2.1; ModelOpt
+            ``NVFP4QTensor.get_activation_scaling_factor``).
     """
-    out = {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
-           f"{module}.weight_scale_2": scale_2.to(torch.float32).reshape(())}
-    if input_scale is not None:
-        out[f"{module}.input_scale"] = input_scale.to(torch.float32).reshape(())
+    names = NVFP4_NAMES
+    out = {f"{module}.{names['packed']}": packed, f"{module}.{names['block_scale']}": block_scale,
+           f"{module}.{names['scalar']}": scalar.to(torch.float32).reshape(())}
+    if input_scalar is not None:
+        out[f"{module}.{names['input_scalar']}"] = input_scalar.to(torch.float32).reshape(())
     return out
+
+
+def nvfp4_global_scale(scalar: torch.Tensor) -> torch.Tensor:
+    """The quantize-direction global scale (``2688 / amax``) from the stored weight scalar:
+    the reciprocal of ``weight_scale_2``, float32 [1]."""
+    return 1.0 / scalar.reshape(1).to(torch.float32)
 
 
 def emit_kv_scales(attention: str, k_scale: torch.Tensor, v_scale: torch.Tensor,
@@ -79,13 +112,13 @@ def emit_kv_scales(attention: str, k_scale: torch.Tensor, v_scale: torch.Tensor,
     """FP8 KV-cache scales of one attention block: ``<attention>.k_proj.k_scale`` /
     ``<attention>.v_proj.v_scale``, float32 0-dim, dequant direction (amax / 448); ``dtype``
     (the module's) is not used: ModelOpt stores float32."""
-    return {f"{attention}.k_proj.k_scale": k_scale.to(torch.float32).reshape(()),
-            f"{attention}.v_proj.v_scale": v_scale.to(torch.float32).reshape(())}
+    return {f"{attention}.{KV_NAMES['k']}": k_scale.to(torch.float32).reshape(()),
+            f"{attention}.{KV_NAMES['v']}": v_scale.to(torch.float32).reshape(())}
 
 
 def kv_scale_specs(attention: str, dtype: str) -> dict:
     """What :func:`emit_kv_scales` writes (``dtype`` unused: always F32)."""
-    return {f"{attention}.k_proj.k_scale": ("F32", ()), f"{attention}.v_proj.v_scale": ("F32", ())}
+    return {f"{attention}.{KV_NAMES['k']}": ("F32", ()), f"{attention}.{KV_NAMES['v']}": ("F32", ())}
 
 
 def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dtype: str = "F32",
@@ -94,11 +127,12 @@ def output_specs(module: str, target: str, shape: tuple[int, int], fp8_scale_dty
     ``target`` of a weight [N, K] (``scheme`` ``w4a4`` adds NVFP4's ``input_scale``)."""
     n, k = shape
     if target == "nvfp4":
-        specs = {f"{module}.weight": ("U8", (n, k // 2)),
-                 f"{module}.weight_scale": ("F8_E4M3", (n, k // 16)),
-                 f"{module}.weight_scale_2": ("F32", ())}
+        names = NVFP4_NAMES
+        specs = {f"{module}.{names['packed']}": ("U8", (n, k // 2)),
+                 f"{module}.{names['block_scale']}": ("F8_E4M3", (n, k // 16)),
+                 f"{module}.{names['scalar']}": ("F32", ())}
         if scheme == "w4a4":
-            specs[f"{module}.input_scale"] = ("F32", ())
+            specs[f"{module}.{names['input_scalar']}"] = ("F32", ())
         return specs
     specs = fp8_output_specs(module, target, shape, fp8_scale_dtype)
     if specs is not None:

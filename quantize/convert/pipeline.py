@@ -26,8 +26,9 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -52,7 +53,7 @@ from formats.shards import (
     write_shard_atomic,
 )
 from formats.sources import ShardFiles, Source, describe_dropped
-from quantize import __version__, archs
+from quantize import __version__
 from quantize.base.errors import CalibrationError, CheckFailed, OutputError, SourceError
 from quantize.base.memory import (
     CONVERT_MMAP_THRESHOLD,
@@ -61,21 +62,18 @@ from quantize.base.memory import (
 )
 from quantize.convert.overlap import Consumer, Producer, StageClock
 from quantize.convert.parallel import World, assign_shards, current_world, spawn_local
+from quantize.inspect.check import check_build, render_check
 from quantize.inspect.preflight import ABSURD_AMAX, MIN_AMAX, preflight
 from quantize.kernels import SCALE_METHODS
-from quantize.kernels.act_scales import (
-    input_global_scale_from_amax,
-    input_scale_from_amax,
-)
 from quantize.kernels.dtypes import count_bytes
 from quantize.kernels.fp8 import quantize_fp8_block
 from quantize.kernels.fused import Prepared, choose_backend, prepare_float, prepare_fp8
 from quantize.kernels.mxfp8 import quantize_mxfp8
-from quantize.kernels.nvfp4 import global_scale_from_amax, scale_2_from_amax
 from quantize.kernels.scale_search import quantize_nvfp4_search
 from quantize.plan.activations import (
     calibration_record,
     input_amax_plan,
+    kv_scale_dtype,
     kv_scale_tensors,
 )
 from quantize.plan.recipe import Target, load_recipe
@@ -84,12 +82,11 @@ from quantize.plan.tensors import (
     dropped_tensors,
     fp8_passthrough,
     module_of,
-    predict_outputs,
     tied_embeddings,
     unplaced_note,
 )
 
-__all__ = ["Summary", "convert"]
+__all__ = ["ConvertOptions", "Summary", "convert"]
 
 @dataclass
 class Summary:
@@ -122,8 +119,6 @@ class Summary:
                  f"  time: {self.seconds:.1f} s, {self.gelem_per_s:.3f} G elements/s quantized",
                  f"  ignore: {len(self.ignore)} modules left unquantized"]
         lines += [f"  note: {n}" for n in self.notes]
-        from quantize.inspect.check import render_check
-
         lines += [f"  check: {render_check(f)}" for f in self.findings]
         return "\n".join(lines)
 
@@ -236,15 +231,70 @@ def _check_scale_method(scales: str, order: str) -> None:
                          "--format compressed-tensors")
 
 
+@dataclass(frozen=True)
+class ConvertOptions:
+    """The options of one conversion, the same on every rank; :func:`convert` takes them as
+    keywords (the ``quantize convert`` flags of the same names).
+
+    Attributes:
+        scheme: ``w4a16`` (weight-only NVFP4) or ``w4a4`` (NVFP4 activations too: needs
+            ``calibration``; writes each module's input scale, shared in a fused group).
+        fmt: output layout, see ``formats.OutputFormat``.
+        recipe: preset name or TOML path (``quantize.plan.recipe``).
+        device: ``cpu``, ``cuda`` or ``auto``; with several ranks on CUDA, rank r uses GPU
+            ``LOCAL_RANK`` (else r) modulo the GPU count.
+        resume: skip output shards a ledger records as finished (sha256 checked); the
+            final folder is byte-identical to an uninterrupted run, whatever the number of
+            ranks before and now.
+        progress: show a progress bar per rank.
+        source_info: extra provenance (repo id, commit, file hashes) recorded in the manifest
+            and part of the resume fingerprint.
+        tp: tensor-parallel size the build is for; tensors whose per-shard shape breaks the
+            engine's alignment rules are kept in high precision and listed in the notes.
+        engine: ``vllm``, ``sglang`` or ``trtllm``: whose rules the plan and the final
+            ``quantize check`` apply.
+        calibration: a stats folder from ``quantize calibrate`` (``formats.calib_stats``).
+        kv_cache: ``fp8`` declares an FP8 KV cache; with ``calibration`` the k/v scales
+            (amax / 448) are written per attention block, else engines use 1.0.
+        scales: one of :data:`SCALE_METHODS` (the searches need the compressed-tensors format,
+            and run the reference arithmetic whatever ``kernel``).
+        min_expert_tokens: routed experts with fewer calibration tokens take the layer's max
+            over experts as input amax and are listed in the manifest (default 8).
+        kernel: ``auto``, ``reference``, ``inductor`` (CPU) or ``triton`` (CUDA); see
+            ``quantize.kernels.fused``. Every kernel writes the same bytes.
+        workers: processes on this machine (``quantize.convert.parallel``); under torchrun (an
+            initialized torch.distributed group) the ranks divide the shards instead. Several
+            processes need a local source folder.
+    """
+
+    scheme: str = "w4a16"
+    fmt: str = "compressed-tensors"
+    recipe: str = "weight-only"
+    device: str = "auto"
+    resume: bool = False
+    progress: bool = True
+    source_info: dict | None = None
+    tp: int = 1
+    engine: str = "vllm"
+    calibration: "str | Path | None" = None
+    kv_cache: str | None = None
+    scales: str = "rtn"
+    min_expert_tokens: int | None = None
+    kernel: str = "auto"
+    workers: int = 1
+
+
 @dataclass
 class _Job:
-    """Everything decided before any tensor data is read; the same on every rank."""
+    """What the ranks need to convert their shards, decided before any tensor data is read;
+    the same on every rank."""
 
     source: Source
     decisions: dict[str, Decision]
-    predicted: dict[str, dict]
+    modules: dict[str, str | None]  # logical tensor -> module_of(name), once per tensor
+    predicted: dict[str, dict]  # quantize.plan.tensors.predict_outputs, from pre-flight
     skip: set[str]
-    writer: object  # the output format's module (formats.get_writer)
+    writer: ModuleType  # the output format's module (formats.get_writer)
     out_shards: list[str]  # output shards, in source order (shards with something to write)
     shard_bytes: dict[str, int]
     scales: str = "rtn"  # SCALE_METHODS
@@ -252,6 +302,50 @@ class _Job:
     input_amax: dict[str, float] = field(default_factory=dict)  # W4A4, by module
     kv_tensors: dict[str, dict] = field(default_factory=dict)  # KV scales, by the tensor they follow
     clock: StageClock = field(default_factory=StageClock)
+
+
+@dataclass
+class _Plan:
+    """The job and what the manifest and summary record of it; the same on every rank."""
+
+    job: _Job
+    headers: dict[str, list]  # logical tensor -> [shard, dtype, shape] of the source
+    options: dict  # the manifest's "options" (part of the resume fingerprint)
+    job_id: str  # resume fingerprint (formats.manifest.fingerprint)
+    counts: Counter  # target -> tensors written with it
+    notes: list[str]
+    tied: bool  # the output ties lm_head to the embedding
+    calibration: dict | None  # the manifest's "calibration" record
+    seconds: float  # pre-flight and planning, wall
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(self.job.shard_bytes.values())
+
+
+class _RankResult(NamedTuple):
+    """What one rank's shard loop did (or, merged, every rank's)."""
+
+    written: int  # shards written
+    skipped: int  # shards a ledger has as finished
+    elements: int  # elements quantized
+    digests: dict[str, str]  # shard -> sha256
+    stats: dict[str, dict]  # shard -> data findings (``_shard_stats``)
+    seconds: dict[str, float]  # stage -> wall seconds (quantize.convert.overlap.StageClock)
+    cpu_seconds: dict[str, float]  # stage -> CPU seconds of its thread
+
+    @classmethod
+    def merge(cls, results: list["_RankResult"], first: dict[str, float]) -> "_RankResult":
+        """Sum of the ranks' results; ``first`` (stages before the shard loop) leads the
+        wall-time stages."""
+        seconds, cpu = dict(first), {}
+        for r in results:
+            for total, part in ((seconds, r.seconds), (cpu, r.cpu_seconds)):
+                for k, v in part.items():
+                    total[k] = total.get(k, 0.0) + v
+        return cls(sum(r.written for r in results), sum(r.skipped for r in results),
+                   sum(r.elements for r in results), {k: v for r in results for k, v in r.digests.items()},
+                   {k: v for r in results for k, v in r.stats.items()}, seconds, cpu)
 
 
 class _Searched(Prepared):
@@ -274,8 +368,8 @@ class _Quantize(NamedTuple):
     """An NVFP4 weight ready for the kernel (run in the quantize stage)."""
 
     prep: Prepared
-    global_scale: torch.Tensor
-    scale_2: torch.Tensor
+    module: str
+    scalar: torch.Tensor  # writer.nvfp4_weight_scalar of the fused group's amax
 
 
 class _Ready(NamedTuple):
@@ -291,9 +385,10 @@ class _Reader:
     everything else ready to write. Runs in the background stage; the only reader of the
     source, so the Hub stream releases shards in the same order as a sequential run.
 
-    NVFP4 uses the output format's arithmetic order (``writer.NVFP4_ORDER``): the
+    NVFP4 runs in the output format's arithmetic order (``writer.NVFP4_ORDER``) against the
+    one scalar the writer stores (``writer.nvfp4_weight_scalar`` of the fused-group amax: the
     compressed-tensors quantize-direction global scale, or ModelOpt's dequant-direction
-    ``scale_2``; both scalars come from the same fused-group amax. ``known_amax`` holds the
+    ``scale_2``). ``known_amax`` holds the
     amax values an interrupted run already measured (from the resume ledger). ``job.scales``
     (:data:`SCALE_METHODS`) picks round-to-nearest block scales (fast kernels) or the
     least-error search (reference arithmetic), weighted per input channel by
@@ -321,7 +416,7 @@ class _Reader:
         source, job = self.job.source, self.job
         if job.scales != "rtn":
             w = self._load(name, nvfp4=True)
-            cw = job.channel_weight.get(module_of(name)) if job.scales == "mse-act" else None
+            cw = job.channel_weight.get(job.modules[name]) if job.scales == "mse-act" else None
             return _Searched(w.to(self.device), float(self._amax[name]), cw)
         backend = choose_backend(self.kernel, self.device, source.tensors[name].numel)
         with job.clock("read"):
@@ -383,7 +478,7 @@ class _Reader:
                 if t.name in job.skip or t.name in done:
                     continue
                 d = job.decisions[t.name]
-                mod = module_of(t.name)
+                mod = job.modules[t.name]
                 if d.target is Target.NVFP4:
                     group = [m + ".weight" for m in d.members] or [t.name]
                     here = [n for n in group if source.tensors[n].shard == shard]
@@ -391,8 +486,8 @@ class _Reader:
                     amax = torch.stack([self.amax(n) for n in group]).amax()
                     for n in here:
                         done.add(n)
-                        yield shard, n, _Quantize(preps.pop(n), global_scale_from_amax(amax),
-                                                  scale_2_from_amax(amax))
+                        yield shard, n, _Quantize(preps.pop(n), job.modules[n],
+                                                  job.writer.nvfp4_weight_scalar(amax))
                 elif d.target is Target.FP8_BLOCK:
                     yield shard, t.name, _Ready(job.writer.emit_fp8_block(mod, *self.fp8_block(t.name)), None)
                 elif d.target is Target.MXFP8:
@@ -446,13 +541,6 @@ def _calibration(path, scheme: str, kv_cache: str | None, scales: str, order: st
     return _Calibration(stats, digest, min_tokens, notes)
 
 
-def _model_dtype(config: dict) -> torch.dtype:
-    """The checkpoint's declared dtype (``torch_dtype`` / ``dtype``), bfloat16 by default."""
-    cfg = archs.text_config(config)
-    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    return {"float32": torch.float32, "float16": torch.float16}.get(name, torch.bfloat16)
-
-
 def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tuple], shard: str) -> None:
     """What is about to be written equals the plan's prediction (names, dtypes, shapes), so
     ``recipe show`` / fit planning sizes are exact by construction."""
@@ -463,20 +551,46 @@ def _assert_predicted(tensors: dict[str, torch.Tensor], predicted: dict[str, tup
         raise OutputError(f"internal: shard {shard} does not match the planned layout: {diff}", shard=shard)
 
 
+def _reuse_bytes(job: _Job, shards: list[str]) -> int:
+    """Free memory kept for reuse (quantize.base.memory.release_freed_memory): what the stages
+    of :func:`_convert_shards` allocate again shard after shard (the output shard being built,
+    the one queued, the one being written, and the reader's tensors: two queued, one in hand,
+    the quantizer's, each with a kernel buffer of its size), plus one output shard of slack
+    for the heap's fragmentation."""
+    out_bytes, biggest, mine = Counter(), 0, set(shards)
+    for t in job.source.tensors.values():
+        if t.shard in mine:
+            out_bytes[t.shard] += sum(DTYPE_BYTES[d] * math.prod(shape)
+                                      for d, shape in job.predicted.get(t.name, {}).values())
+            biggest = max(biggest, t.numel * DTYPE_BYTES[t.dtype])
+    return 4 * max(out_bytes.values(), default=0) + 8 * biggest
+
+
+def _quantize_nvfp4(job: _Job, name: str, value: _Quantize, stats: dict) -> dict[str, torch.Tensor]:
+    """Run the NVFP4 kernel on one prepared weight (the quantize stage) and name its tensors
+    through the writer, with the module's W4A4 input scalar when it has one."""
+    writer = job.writer
+    with job.clock("quantize"):
+        packed, scale = value.prep.quantize(value.scalar)
+        _shard_stats(stats, name, float(value.prep.amax), scale)
+    a_in = job.input_amax.get(value.module)
+    return writer.emit_nvfp4(value.module, packed, scale, value.scalar,
+                             input_scalar=writer.nvfp4_input_scalar(a_in) if a_in is not None else None)
+
+
 def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
-                    device: torch.device, kernel: str, bar) -> tuple[int, int, int, dict, dict, tuple]:
+                    device: torch.device, kernel: str, bar) -> _RankResult:
     """Convert ``shards`` with reading, quantizing and writing overlapped (quantize/convert/overlap.py):
     at most 2 prepared tensors wait for the quantizer and 1 finished shard for the writer.
 
     Returns:
-        (shards written, shards skipped because a ledger has them, elements quantized,
-        {shard: sha256}, {shard: data findings} of these shards, ({stage: wall seconds},
-        {stage: CPU seconds of the thread})).
+        this rank's :class:`_RankResult` (digests and data findings of ``shards``).
     """
-    source, writer, clock = job.source, job.writer, job.clock
+    source, clock = job.source, job.clock
     t_loop = time.perf_counter()
     counts = {"written": 0, "skipped": 0}
     on_disk, changed, cancel = set(), threading.Condition(), threading.Event()
+    reuse = _reuse_bytes(job, shards)
 
     def write(item) -> None:
         shard, tensors, deps, amaxes, stats = item
@@ -499,18 +613,6 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
                     raise RuntimeError("the writer stopped")  # its own error is raised below
                 changed.wait(0.1)
 
-    # free memory kept for reuse (quantize.base.memory.release_freed_memory): what the stages
-    # below allocate again shard after shard (the output shard being built, the one queued,
-    # the one being written, and the reader's tensors: two queued, one in hand, the
-    # quantizer's, each with a kernel buffer of its size), plus one output shard of slack
-    # for the heap's fragmentation
-    out_bytes, biggest, mine = Counter(), 0, set(shards)
-    for t in source.tensors.values():
-        if t.shard in mine:
-            out_bytes[t.shard] += sum(DTYPE_BYTES[d] * math.prod(shape)
-                                      for d, shape in job.predicted.get(t.name, {}).values())
-            biggest = max(biggest, t.numel * DTYPE_BYTES[t.dtype])
-    reuse = 4 * max(out_bytes.values(), default=0) + 8 * biggest
     known = ledger.known_amax(source.files.identity)
     fetching = type(source.files) is not ShardFiles  # e.g. a Hub stream with a disk budget
     reader = Producer(lambda: _Reader(job, ledger, device, kernel, known).items(
@@ -540,16 +642,7 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
                 tensors, stats = {}, {}
                 continue
             if isinstance(value, _Quantize):  # NVFP4: the kernel runs here
-                prep, g, s2 = value
-                with clock("quantize"):
-                    packed, scale = prep.quantize(s2 if writer.NVFP4_ORDER == "scale_2" else g)
-                    _shard_stats(stats, name, float(prep.amax), scale)
-                mod = module_of(name)
-                a_in = job.input_amax.get(mod)
-                tensors.update(writer.emit_nvfp4(
-                    mod, packed, scale, g, s2,
-                    input_global_scale=input_global_scale_from_amax(a_in) if a_in is not None else None,
-                    input_scale=input_scale_from_amax(a_in) if a_in is not None else None))
+                tensors.update(_quantize_nvfp4(job, name, value, stats))
                 elements += source.tensors[name].numel
             else:
                 tensors.update(value.tensors)
@@ -569,8 +662,8 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
         saver.close()
     digests = {s: ledger.done[s]["sha256"] for s in shards if s in ledger.done}
     clock.add("shard loop (wall)", time.perf_counter() - t_loop)
-    return (counts["written"], counts["skipped"], elements, digests,
-            {s: ledger.stats(s) for s in shards}, (dict(clock.seconds), dict(clock.cpu_seconds)))
+    return _RankResult(counts["written"], counts["skipped"], elements, digests,
+                       {s: ledger.stats(s) for s in shards}, dict(clock.seconds), dict(clock.cpu_seconds))
 
 
 def _on_every_rank(world: World, fn):
@@ -586,46 +679,30 @@ def _on_every_rank(world: World, fn):
     return result
 
 
-def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
-            fmt: str = "compressed-tensors", recipe: str = "weight-only", device: str = "auto",
-            resume: bool = False, progress: bool = True, source_info: dict | None = None,
-            tp: int = 1, engine: str = "vllm", calibration: "str | Path | None" = None,
-            kv_cache: str | None = None, scales: str = "rtn",
-            min_expert_tokens: int | None = None, kernel: str = "auto",
-            workers: int = 1) -> Summary:
+def _on_rank_0(world: World, fn):
+    """``fn()`` on rank 0 only; every rank returns its result, or raises its error."""
+    result = err = None
+    if world.rank == 0:
+        try:
+            result = fn()
+        except BaseException as e:
+            err = e
+    result, err = world.broadcast((result, err))
+    if err is not None:
+        raise err
+    return result
+
+
+def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions | None = None,
+            **overrides) -> Summary:
     """Convert the checkpoint folder ``src`` into an NVFP4 build in ``out``.
 
     Args:
         src: folder with config.json and safetensors shards (block FP8, compressed-tensors
             FP8, or dense), or an opened ``Source`` (``quantize.hub.download`` streams one from the Hub).
         out: output folder; must be empty unless ``resume``.
-        scheme: ``w4a16`` (weight-only NVFP4) or ``w4a4`` (NVFP4 activations too: needs
-            ``calibration``; writes each module's input scale, shared in a fused group).
-        fmt: output layout, see ``formats.OutputFormat``.
-        recipe: preset name or TOML path (``quantize.plan.recipe``).
-        device: ``cpu``, ``cuda`` or ``auto``; with several ranks on CUDA, rank r uses GPU
-            ``LOCAL_RANK`` (else r) modulo the GPU count.
-        tp: tensor-parallel size the build is for; tensors whose per-shard shape breaks the
-            engine's alignment rules are kept in high precision and listed in the notes.
-        engine: ``vllm``, ``sglang`` or ``trtllm``: whose rules the plan and the final
-            ``quantize check`` apply.
-        resume: skip output shards a ledger records as finished (sha256 checked); the
-            final folder is byte-identical to an uninterrupted run, whatever the number of
-            ranks before and now.
-        source_info: extra provenance (repo id, commit, file hashes) recorded in the manifest
-            and part of the resume fingerprint.
-        calibration: a stats folder from ``quantize calibrate`` (``formats.calib_stats``).
-        kv_cache: ``fp8`` declares an FP8 KV cache; with ``calibration`` the k/v scales
-            (amax / 448) are written per attention block, else engines use 1.0.
-        scales: one of :data:`SCALE_METHODS` (the searches need the compressed-tensors format,
-            and run the reference arithmetic whatever ``kernel``).
-        min_expert_tokens: routed experts with fewer calibration tokens take the layer's max
-            over experts as input amax and are listed in the manifest (default 8).
-        kernel: ``auto``, ``reference``, ``inductor`` (CPU) or ``triton`` (CUDA); see
-            ``quantize.kernels.fused``. Every kernel writes the same bytes.
-        workers: processes on this machine (``quantize.convert.parallel``); under torchrun (an
-            initialized torch.distributed group) the ranks divide the shards instead. Several
-            processes need a local source folder.
+        options, overrides: :class:`ConvertOptions`, its fields given as keywords replacing
+            those of ``options`` (``convert(src, out, fmt="modelopt")``).
 
     Returns:
         Summary of the run (on every rank: the whole build's totals).
@@ -636,44 +713,82 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
             OutputError also when the free disk cannot hold the rest of the build.
         CheckFailed: ``quantize check`` found errors in the written build (no manifest is
             written, so the folder is not a finished build).
+        TypeError: a keyword that is not a :class:`ConvertOptions` field.
     """
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
-    if workers > 1 and current_world().size == 1:
-        return spawn_local(workers, convert, dict(
-            src=_local_folder(src), out=out, scheme=scheme, fmt=fmt, recipe=recipe,
-            device=device, resume=resume, progress=progress, source_info=source_info, tp=tp,
-            engine=engine, calibration=calibration, kv_cache=kv_cache, scales=scales,
-            min_expert_tokens=min_expert_tokens, kernel=kernel))
+    opts = replace(options or ConvertOptions(), **overrides)
+    if opts.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {opts.workers}")
+    if opts.workers > 1 and current_world().size == 1:
+        return spawn_local(opts.workers, convert, dict(src=_local_folder(src), out=out, options=opts))
     t0 = time.perf_counter()
-    world = current_world()
-    out = Path(out)
-    rec = load_recipe(recipe)
-    writer = get_writer(fmt)
-    dev = _resolve_device(device, world)
-    choose_backend(kernel, dev)  # refuse a kernel that cannot run here before any work
+    world, out = current_world(), Path(out)
+    rec, writer = load_recipe(opts.recipe), get_writer(opts.fmt)
+    dev = _resolve_device(opts.device, world)
+    choose_backend(opts.kernel, dev)  # refuse a kernel that cannot run here before any work
     if world.size > 1:
         _local_folder(src)
+    plan = _plan(src, out, opts, rec, writer, world)
+    _on_rank_0(world, lambda: _prepare_out(out, opts.resume))
+    result = _run_ranks(plan, out, opts, dev, world)
+    plan.notes += _data_notes([result.stats[s] for s in plan.job.out_shards])
+    return _on_rank_0(world, lambda: _finish(plan, out, opts, result, t0))
 
-    def plan():  # on every rank; no rank writes before every rank has passed pre-flight
-        pre = preflight(src, out, recipe=rec, resume=resume, fmt=fmt, tp=tp, engine=engine,
-                        carry_skip=_CARRY_SKIP)
-        pre.raise_if_errors(Path(src).name if not isinstance(src, Source) else src.folder.name)
-        calib = _calibration(calibration, scheme, kv_cache, scales, writer.NVFP4_ORDER,
-                             min_expert_tokens)
-        return pre, calib
 
+def _preflight(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType) -> tuple:
+    """Pre-flight and the calibration options (run on every rank, so no rank writes before
+    every rank has passed). Pre-flight predicts the outputs with the calibration's KV scales;
+    its errors are raised before those of the calibration options."""
+    try:
+        calib, calib_err = _calibration(opts.calibration, opts.scheme, opts.kv_cache, opts.scales,
+                                        writer.NVFP4_ORDER, opts.min_expert_tokens), None
+    except Exception as e:
+        calib, calib_err = None, e
+    kv = tuple(calib.stats.kv_amax) if calib and calib.stats and opts.kv_cache else ()
+    pre = preflight(src, out, recipe=rec, resume=opts.resume, fmt=opts.fmt, tp=opts.tp,
+                    engine=opts.engine, carry_skip=_CARRY_SKIP, scheme=opts.scheme, kv_attention=kv)
+    pre.raise_if_errors(Path(src).name if not isinstance(src, Source) else src.folder.name)
+    if calib_err is not None:
+        raise calib_err
+    return pre, calib
+
+
+def _plan(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType, world: World) -> _Plan:
+    """Pre-flight, calibration plans (W4A4 input amax, KV scales), notes and the resume
+    fingerprint: everything before any tensor data is read, the same on every rank."""
     t_plan = time.perf_counter()
-    pre, calib = _on_every_rank(world, plan)
+    pre, calib = _on_every_rank(world, lambda: _preflight(src, out, opts, rec, writer))
     t_plan = time.perf_counter() - t_plan
-    source, decisions = pre.source, pre.decisions
-    input_amax = input_amax_plan(decisions, calib.stats, calib.min_tokens) if scheme == "w4a4" else {}
-    kv_dtype = _model_dtype(source.config)
-    kv_tensors = kv_scale_tensors(source, calib.stats, writer, kv_dtype) if kv_cache and calib.stats else {}
-    predicted = predict_outputs(source, decisions, fmt, scheme=scheme, kv_scales={
-        attn: dtype_name(kv_dtype) for attn in (calib.stats.kv_amax if kv_tensors else {})})
-    notes = [f"{f.level}: {f.message}" for f in pre.findings] + list(calib.notes)
+    source, decisions, stats = pre.source, pre.decisions, calib.stats
+    input_amax = input_amax_plan(decisions, stats, calib.min_tokens) if opts.scheme == "w4a4" else {}
+    kv_tensors = (kv_scale_tensors(source, stats, writer, kv_scale_dtype(source.config))
+                  if opts.kv_cache and stats else {})
     skip = dropped_tensors(source)
+    notes, tied = _plan_notes(pre, calib, skip)
+    headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
+    options = {"scheme": opts.scheme, "format": opts.fmt, "recipe": rec.name, "recipe_sha256": rec.sha256,
+               "tp": opts.tp, "engine": opts.engine}
+    if stats is not None or opts.kv_cache or opts.scales != "rtn":
+        options.update(kv_cache=opts.kv_cache, scales=opts.scales, calibration_sha256=calib.sha256)
+    job_id = fingerprint({"tool": __version__, "options": options, "headers": headers,
+                          "decisions": {n: d.target.value for n, d in decisions.items()},
+                          "source": opts.source_info or {}})
+    shard_bytes = {s: 0 for s in source.shards}
+    for i in source.infos.values():
+        shard_bytes[i.shard] += i.nbytes
+    out_shards = [s for s in source.shards if any(t.name not in skip for t in source.tensors_in(s))]
+    job = _Job(source, decisions, {n: module_of(n) for n in decisions}, pre.predicted, skip, writer,
+               out_shards, shard_bytes, opts.scales, stats.channel_sq_mean if stats else {},
+               input_amax, kv_tensors)
+    counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
+    record = calibration_record(stats, calib.sha256, calib.min_tokens) if stats is not None else None
+    return _Plan(job, headers, options, job_id, counts, notes, tied, record, t_plan)
+
+
+def _plan_notes(pre, calib: "_Calibration", skip: set[str]) -> tuple[list[str], bool]:
+    """The summary's notes from pre-flight, calibration and the plan; and whether the output
+    ties lm_head to the embedding (FC-23)."""
+    source = pre.source
+    notes = [f"{f.level}: {f.message}" for f in pre.findings] + list(calib.notes)
     tied = tied_embeddings(source.config)
     if skip:
         notes.append("lm_head.weight dropped: tie_word_embeddings is true and it equals "
@@ -684,45 +799,28 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
                      "is true: kept, and the flag set false (FC-23)")
     if source.dropped:
         notes.append(describe_dropped(source.dropped))
-    if (note := unplaced_note(decisions)) is not None:
+    if (note := unplaced_note(pre.decisions)) is not None:
         notes.append(note)
-    for d in decisions.values():
+    for d in pre.decisions.values():
         if not d.reason.startswith(("recipe ", "sensitive:", "not a Linear")):
             notes.append(f"{d.name} kept as {d.target.value}: {d.reason}")
-    headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
-    options = {"scheme": scheme, "format": fmt, "recipe": rec.name, "recipe_sha256": rec.sha256,
-               "tp": tp, "engine": engine}
-    if calib.stats is not None or kv_cache or scales != "rtn":
-        options.update(kv_cache=kv_cache, scales=scales, calibration_sha256=calib.sha256)
-    job_id = fingerprint({"tool": __version__, "options": options, "headers": headers,
-                          "decisions": {n: d.target.value for n, d in decisions.items()},
-                          "source": source_info or {}})
-    shard_bytes = {s: 0 for s in source.shards}
-    for i in source.infos.values():
-        shard_bytes[i.shard] += i.nbytes
-    out_shards = [s for s in source.shards if any(t.name not in skip for t in source.tensors_in(s))]
-    job = _Job(source, decisions, predicted, skip, writer, out_shards, shard_bytes, scales,
-               calib.stats.channel_sq_mean if calib.stats else {}, input_amax, kv_tensors)
-    bytes_in = sum(shard_bytes.values())
-    counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
+    return notes, tied
 
-    err = None
-    if world.rank == 0:
-        try:
-            _prepare_out(out, resume)
-        except OutputError as e:
-            err = e
-    if (err := world.broadcast(err)) is not None:
-        raise err
-    mine = assign_shards({s: shard_bytes[s] for s in out_shards}, world.size)[world.rank]
-    bar = tqdm(total=sum(shard_bytes[s] for s in mine), unit="B", unit_scale=True,
+
+def _run_ranks(plan: _Plan, out: Path, opts: ConvertOptions, dev: torch.device,
+               world: World) -> _RankResult:
+    """This rank's share of the output shards, then every rank's results merged (any rank's
+    error raised on every rank)."""
+    job = plan.job
+    mine = assign_shards({s: job.shard_bytes[s] for s in job.out_shards}, world.size)[world.rank]
+    bar = tqdm(total=sum(job.shard_bytes[s] for s in mine), unit="B", unit_scale=True,
                desc="convert" if world.size == 1 else f"convert rank {world.rank}",
-               disable=not progress, position=world.rank)
+               disable=not opts.progress, position=world.rank)
 
-    def run_rank():
+    def run_rank() -> _RankResult:
         bound_allocator(CONVERT_MMAP_THRESHOLD, one_arena=True)
-        ledger = Ledger(out, job_id, resume, rank=world.rank if world.size > 1 else None)
-        return _convert_shards(job, mine, out, ledger, dev, kernel, bar)
+        ledger = Ledger(out, plan.job_id, opts.resume, rank=world.rank if world.size > 1 else None)
+        return _convert_shards(job, mine, out, ledger, dev, opts.kernel, bar)
 
     if world.size == 1:
         results = [run_rank()]
@@ -737,35 +835,8 @@ def convert(src: str | Path | Source, out: str | Path, *, scheme: str = "w4a16",
                 raise value
         results = [v for _, v in gathered]
     bar.close()
-    source.close()
-    written, skipped, elements = (sum(x[i] for x in results) for i in range(3))
-    digests = {k: v for x in results for k, v in x[3].items()}
-    shard_stats = {k: v for x in results for k, v in x[4].items()}
-    stages, stage_cpu = {"pre-flight": t_plan}, {}
-    for x in results:
-        for total, part in ((stages, x[5][0]), (stage_cpu, x[5][1])):
-            for k, v in part.items():
-                total[k] = total.get(k, 0.0) + v
-    notes += _data_notes([shard_stats[s] for s in out_shards])
-
-    summary = err = None
-    if world.rank == 0:
-        try:
-            t_finish = time.perf_counter()
-            summary = _finish(job, out, scheme, options, headers, counts, notes, tied, bytes_in,
-                              source_info, tp, engine, digests, kv_cache,
-                              calibration_record(calib.stats, calib.sha256, calib.min_tokens)
-                              if calib.stats is not None else None)
-            summary.elements_quantized, summary.shards_written = elements, written
-            summary.shards_skipped, summary.seconds = skipped, time.perf_counter() - t0
-            stages["finish (index, config, check, manifest)"] = time.perf_counter() - t_finish
-            summary.stage_seconds, summary.stage_cpu_seconds = stages, stage_cpu
-        except BaseException as e:
-            err = e
-    summary, err = world.broadcast((summary, err))
-    if err is not None:
-        raise err
-    return summary
+    job.source.close()
+    return _RankResult.merge(results, {"pre-flight": plan.seconds})
 
 
 def _local_folder(src: str | Path | Source) -> Path:
@@ -779,61 +850,73 @@ def _local_folder(src: str | Path | Source) -> Path:
     return src.folder
 
 
-def _finish(job: _Job, out: Path, scheme: str, options: dict, headers: dict, counts: Counter,
-            notes: list[str], tied: bool, bytes_in: int, source_info: dict | None, tp: int,
-            engine: str, digests: dict[str, str], kv_cache: str | None,
-            calibration: dict | None) -> Summary:
-    """After every shard is written (rank 0 only): index, carried files, config and extra
-    files, ``quantize check``, manifest; then the ledgers go."""
-    source, decisions, skip, writer = job.source, job.decisions, job.skip, job.writer
-    src = source.folder
-    index = write_index(out, job.out_shards)
-    linear = {n: d for n, d in decisions.items()  # N-D weights (Conv): in ignore too
-              if n not in skip and module_of(n) and len(source.tensors[n].shape) >= 2}
-    targets = {module_of(n): d.target.value for n, d in linear.items() if d.target.quantized}
-    ignore = sorted({module_of(n) for n, d in linear.items() if not d.target.quantized})
-    if tied and "lm_head" not in ignore:
+def _write_configs(plan: _Plan, out: Path, opts: ConvertOptions) -> tuple[list[str], list[str]]:
+    """Carried files, the writer's extra files and config.json (last: weights + config without
+    the tokenizer never look like a loadable folder).
+
+    Returns:
+        (modules left unquantized, sorted: the config's ``ignore``; carried file names).
+    """
+    job = plan.job
+    source, writer = job.source, job.writer
+    linear = {n: (job.modules[n], d) for n, d in job.decisions.items()
+              if n not in job.skip and job.modules[n] and len(source.tensors[n].shape) >= 2}  # N-D weights (Conv): in ignore too
+    targets = {m: d.target.value for m, d in linear.values() if d.target.quantized}
+    ignore = sorted({m for m, d in linear.values() if not d.target.quantized})
+    if plan.tied and "lm_head" not in ignore:
         ignore.append("lm_head")  # the tied head is the unquantized embedding
+    ignore = sorted(ignore)
     config = json.loads(json.dumps(source.config))
-    if tied_embeddings(source.config) and not tied:
+    if tied_embeddings(source.config) and not plan.tied:
         _set_tie(config, False)
     (config.get("text_config") or {}).pop("quantization_config", None)
     producer = {"name": "spark-quant", "version": __version__}
-    config["quantization_config"] = writer.quantization_config(targets, sorted(ignore), scheme, producer,
-                                                               kv_cache)
-    # config.json after the carried files: weights + config without the tokenizer never look
-    # like a loadable folder.
-    carried = carry_files(src, out, skip=set(_CARRY_SKIP))
-    for fname, obj in writer.extra_files(targets, sorted(ignore), scheme, producer, kv_cache).items():
+    config["quantization_config"] = writer.quantization_config(targets, ignore, opts.scheme, producer,
+                                                               opts.kv_cache)
+    carried = carry_files(source.folder, out, skip=set(_CARRY_SKIP))
+    for fname, obj in writer.extra_files(targets, ignore, opts.scheme, producer, opts.kv_cache).items():
         write_json_atomic(obj, out / fname)
     write_json_atomic(config, out / "config.json")
-    from quantize.inspect.check import (  # the check reads only what was written
-        check_build,
-        render_check,
-    )
+    return ignore, carried
 
-    findings = check_build(out, engine=engine, tp=tp)
+
+def _finish(plan: _Plan, out: Path, opts: ConvertOptions, result: _RankResult, t0: float) -> Summary:
+    """After every shard is written (rank 0 only): index, carried files, config and extra
+    files, ``quantize check`` (the check reads only what was written), manifest; then the
+    ledgers go.
+
+    Raises:
+        CheckFailed: the check found errors (no manifest written).
+    """
+    t_finish = time.perf_counter()
+    job, source = plan.job, plan.job.source
+    index = write_index(out, job.out_shards)
+    ignore, carried = _write_configs(plan, out, opts)
+    findings = check_build(out, engine=opts.engine, tp=opts.tp)
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise CheckFailed(f"quantize check found {len(errors)} error(s) in {out} (no manifest "
                           "written):\n  " + "\n  ".join(render_check(f) for f in errors[:20]),
                           tensor=errors[0].tensor, key=errors[0].kind)
-    summary = Summary(out, dict(counts), bytes_in, index["metadata"]["total_size"], 0, 0.0, 0, 0,
-                      sorted(ignore), notes, findings)
+    bytes_out = index["metadata"]["total_size"]
     write_manifest(out, {
         "tool": "spark-quant", "version": __version__,
-        "source": {"path": str(src.resolve()), "layout": source.kind.value,
-                   "shards": {s: fingerprint({n: h for n, h in headers.items() if h[0] == s})
-                              for s in source.shards}, **(source_info or {})},
-        "options": options,
-        "targets": {n: d.target.value for n, d in sorted(decisions.items()) if n not in skip},
-        "summary": {"tensors_by_target": dict(sorted(counts.items())), "bytes_in": bytes_in,
-                    "bytes_out": summary.bytes_out, "ignore": sorted(ignore), "notes": notes,
+        "source": {"path": str(source.folder.resolve()), "layout": source.kind.value,
+                   "shards": {s: fingerprint({n: h for n, h in plan.headers.items() if h[0] == s})
+                              for s in source.shards}, **(opts.source_info or {})},
+        "options": plan.options,
+        "targets": {n: d.target.value for n, d in sorted(job.decisions.items()) if n not in job.skip},
+        "summary": {"tensors_by_target": dict(sorted(plan.counts.items())), "bytes_in": plan.bytes_in,
+                    "bytes_out": bytes_out, "ignore": ignore, "notes": plan.notes,
                     "carried_files": carried},
-        **({"calibration": calibration} if calibration is not None else {}),
-    }, digests)
+        **({"calibration": plan.calibration} if plan.calibration is not None else {}),
+    }, result.digests)
     remove_ledgers(out)
-    return summary
+    stages = dict(result.seconds)
+    stages["finish (index, config, check, manifest)"] = time.perf_counter() - t_finish
+    return Summary(out, dict(plan.counts), plan.bytes_in, bytes_out, result.elements,
+                   time.perf_counter() - t0, result.written, result.skipped, ignore, plan.notes,
+                   findings, stages, dict(result.cpu_seconds))
 
 
 def _shard_stats(stats: dict, name: str, amax: float | None,

@@ -21,13 +21,16 @@ from pathlib import Path
 import torch
 
 from formats.checkpoint import load_index
-from formats.compressed_tensors import FORMAT_NAME
+from formats.compressed_tensors import FORMAT_NAME, KV_NAMES, NVFP4_NAMES
 from formats.shards import ShardReader, read_header
 from quantize import archs
 
 __all__ = ["check_activation_scales"]
 
-_SCALARS = (".input_global_scale", ".k_scale", ".v_scale")
+_PACKED = "." + NVFP4_NAMES["packed"]  # .weight_packed
+_INPUT = "." + NVFP4_NAMES["input_scalar"]  # .input_global_scale
+_K, _V = "." + KV_NAMES["k"], "." + KV_NAMES["v"]  # .k_scale, .v_scale
+_SCALARS = (_INPUT, _K, _V)
 
 
 def check_activation_scales(build: str | Path) -> list[str]:
@@ -51,13 +54,13 @@ def check_activation_scales(build: str | Path) -> list[str]:
     names: dict[str, str] = {}
     for shard in sorted(set(weight_map.values())):
         names.update({n: shard for n in read_header(build / shard)})
-    packed = {n[: -len(".weight_packed")] for n in names if n.endswith(".weight_packed")}
-    inputs = {n[: -len(".input_global_scale")] for n in names if n.endswith(".input_global_scale")}
+    packed = {n[: -len(_PACKED)] for n in names if n.endswith(_PACKED)}
+    inputs = {n[: -len(_INPUT)] for n in names if n.endswith(_INPUT)}
     findings = []
     if w4a4:
-        findings += [f"{m}: W4A4 build without {m}.input_global_scale" for m in sorted(packed - inputs)]
+        findings += [f"{m}: W4A4 build without {m}{_INPUT}" for m in sorted(packed - inputs)]
     elif inputs:
-        findings.append(f"weight-only build carries {len(inputs)} input_global_scale tensor(s), "
+        findings.append(f"weight-only build carries {len(inputs)} {_INPUT[1:]} tensor(s), "
                         f"e.g. {sorted(inputs)[0]}")
     reader = ShardReader(build, max_open=2)
     values = {}
@@ -66,7 +69,7 @@ def check_activation_scales(build: str | Path) -> list[str]:
             if n.endswith(_SCALARS):
                 v = reader.get(names[n], n).to(torch.float32).flatten()
                 values[n] = v
-                if n.endswith((".k_scale", ".v_scale")) and not (torch.isfinite(v).all() and (v > 0).all()):
+                if n.endswith((_K, _V)) and not (torch.isfinite(v).all() and (v > 0).all()):
                     findings.append(f"{n}: scale {v.tolist()} is not finite and positive")
     finally:
         reader.close()
@@ -77,13 +80,12 @@ def check_activation_scales(build: str | Path) -> list[str]:
             if grp is None or grp[0] in seen:
                 continue
             seen.add(grp[0])
-            vals = {x: float(values[f"{x}.input_global_scale"][0]) for x in grp[1]
-                    if f"{x}.input_global_scale" in values}
+            vals = {x: float(values[x + _INPUT][0]) for x in grp[1] if x + _INPUT in values}
             if len(set(vals.values())) > 1:
-                findings.append(f"fused group {grp[0]}: input_global_scale differs across members {vals}")
+                findings.append(f"fused group {grp[0]}: {_INPUT[1:]} differs across members {vals}")
     if qc.get("kv_cache_scheme"):
-        k = {n[: -len(".k_scale")] for n in names if n.endswith(".k_scale")}
-        v = {n[: -len(".v_scale")] for n in names if n.endswith(".v_scale")}
-        findings += [f"{a}: k_scale without v_scale" for a in sorted(k - v)]
-        findings += [f"{a}: v_scale without k_scale" for a in sorted(v - k)]
+        k = {n[: -len(_K)] for n in names if n.endswith(_K)}
+        v = {n[: -len(_V)] for n in names if n.endswith(_V)}
+        findings += [f"{a}: {_K[1:]} without {_V[1:]}" for a in sorted(k - v)]
+        findings += [f"{a}: {_V[1:]} without {_K[1:]}" for a in sorted(v - k)]
     return findings

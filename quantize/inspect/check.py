@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from formats import FORMATS, compressed_tensors, get_writer, modelopt
 from formats.checkpoint import INDEX_NAME, load_index, read_all_headers
 from formats.engines import (
     ENGINES,
@@ -48,8 +49,15 @@ from formats.shards import ShardReader, TensorInfo, read_header
 from quantize import archs
 from quantize.base.errors import Finding
 from quantize.kernels.dtypes import count_bytes
+from quantize.plan.recipe import Target
 
 __all__ = ["check_build", "render_check"]
+
+_QUANTIZED = tuple(t.value for t in Target if t.quantized)
+_LOCAL_NAMES = frozenset(n.rsplit(".", 1)[1] for f in FORMATS for t in _QUANTIZED
+                         for n in get_writer(f).output_specs("m", t, (128, 128), scheme="w4a4"))
+"""Local names of every tensor a writer puts under a quantized module (both formats)."""
+_SCALE_NAMES = tuple(sorted(_LOCAL_NAMES - {"weight", "weight_packed"}))
 
 
 def render_check(f: Finding) -> str:
@@ -66,6 +74,23 @@ class _Module:
     tensors: dict[str, TensorInfo]
 
 
+def _nvfp4_problems(t: dict[str, TensorInfo], w: TensorInfo, shape: tuple[int, int], fmt: str) -> list[str]:
+    """How an NVFP4 module's tensors differ from what the ``fmt`` writer writes
+    (``output_specs``): the packed weight's name, then each scale's dtype and shape."""
+    writer = get_writer(fmt)
+    specs = [(n.rsplit(".", 1)[1], spec) for n, spec in writer.output_specs("m", "nvfp4", shape).items()]
+    problems = []
+    packed_name = specs[0][0]
+    if t.get(packed_name) is not w:
+        problems.append(f"packed NVFP4 weight named {w.name.rsplit('.', 1)[-1]} in a {fmt} build "
+                        f"(expected {packed_name})")
+    for local, (dtype, want) in specs[1:]:
+        g = t.get(local)
+        if g is None or g.dtype != dtype or g.shape != want:
+            problems.append(f"needs {local} {dtype} {list(want)}, has {(g.dtype, list(g.shape)) if g else None}")
+    return problems
+
+
 def _classify(name: str, t: dict[str, TensorInfo], fmt: str) -> tuple[_Module, list[str]]:
     """Kind and logical shape of a module from its tensors (by local name); problems found."""
     w = t.get("weight_packed") or t.get("weight")
@@ -74,31 +99,21 @@ def _classify(name: str, t: dict[str, TensorInfo], fmt: str) -> tuple[_Module, l
     if w is None:
         return _Module(name, "broken", None, t), [f"has {sorted(t)} but no weight"]
     if w.dtype == "U8":
-        scalar = "weight_global_scale" if fmt == "compressed-tensors" else "weight_scale_2"
-        want_scalar = (1,) if fmt == "compressed-tensors" else ()
         n, half = w.shape
         shape = (n, half * 2)
-        packed_name = "weight_packed" if fmt == "compressed-tensors" else "weight"
-        if t.get(packed_name) is not w:
-            problems.append(f"packed NVFP4 weight named {w.name.rsplit('.', 1)[-1]} in a {fmt} build "
-                            f"(expected {packed_name})")
-        if s is None or s.dtype != "F8_E4M3" or s.shape != (n, shape[1] // 16):
-            problems.append(f"needs weight_scale F8_E4M3 {[n, shape[1] // 16]}, has "
-                            f"{(s.dtype, list(s.shape)) if s else None}")
-        g = t.get(scalar)
-        if g is None or g.dtype != "F32" or g.shape != want_scalar:
-            problems.append(f"needs {scalar} F32 {list(want_scalar)}, has {(g.dtype, list(g.shape)) if g else None}")
-        return _Module(name, "nvfp4", shape, t), problems
+        return _Module(name, "nvfp4", shape, t), _nvfp4_problems(t, w, shape, fmt)
     if w.dtype == "F8_E4M3":
         shape = tuple(w.shape)
         if len(shape) != 2:
             return _Module(name, "broken", None, t), [f"FP8 weight is {len(shape)}-D"]
         n, k = shape
+        writer = get_writer(fmt)
         if s is not None and s.dtype == "U8":
-            if s.shape != (n, k // 32) or k % 32:
+            if s.shape != writer.output_specs("m", "mxfp8", shape)["m.weight_scale"][1] or k % 32:
                 problems.append(f"MXFP8 weight_scale {list(s.shape)} does not fit weight {n}x{k}")
             return _Module(name, "mxfp8", shape, t), problems
-        if s is not None and s.dtype in ("F32", "BF16") and s.shape == (-(-n // 128), -(-k // 128)):
+        block = writer.output_specs("m", "fp8-block", shape)["m.weight_scale"]
+        if s is not None and s.dtype in ("F32", "BF16") and s.shape == block[1]:
             return _Module(name, "fp8-block", shape, t), problems
         return _Module(name, "broken", shape, t), [
             f"FP8 weight without a 128x128 block weight_scale or e8m0 scale (has {sorted(t)})"]
@@ -116,8 +131,7 @@ def _modules(infos: dict[str, TensorInfo], fmt: str, out: list) -> dict[str, _Mo
         if "." not in name:
             continue
         mod, local = name.rsplit(".", 1)
-        if local in ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2",
-                     "input_scale", "input_global_scale"):
+        if local in _LOCAL_NAMES:
             grouped.setdefault(mod, {})[local] = info
     mods = {}
     for mod, t in grouped.items():
@@ -184,9 +198,9 @@ def _check_ct(qc: dict, mods: dict[str, _Module], engine: str, out: list) -> set
                            "expected 'compressed'", "config.json"))
     groups = qc.get("config_groups") or {}
     ignore = qc.get("ignore") or []
-    kinds = {m.kind for m in mods.values() if m.kind in ("nvfp4", "fp8-block", "mxfp8")}
+    kinds = {m.kind for m in mods.values() if m.kind in _QUANTIZED}
     fmt = qc.get("format")
-    want_fmt = {"nvfp4": "nvfp4-pack-quantized", "fp8-block": "float-quantized", "mxfp8": "mxfp8-quantized"}
+    want_fmt = compressed_tensors.GROUP_FORMATS
     expect = "mixed-precision" if len(kinds) > 1 else want_fmt[kinds.pop()] if kinds else fmt
     if fmt != expect:
         out.append(Finding("error", "config", f"format {fmt!r} but the tensors need {expect!r}", "config.json"))
@@ -254,7 +268,7 @@ def _check_modelopt(folder: Path, qc: dict, mods: dict[str, _Module], engine: st
     _support(engine, "modelopt", algo, out)
     excludes = q.get("exclude_modules") or []
     layers = q.get("quantized_layers") or {}
-    algo_kind = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8_PB_WO": "fp8-block", "MXFP8": "mxfp8"}
+    algo_kind = modelopt.ALGO_TARGETS
     ignored = set()
     for m in mods.values():
         if m.kind in ("other", "broken"):
@@ -277,7 +291,7 @@ def _check_modelopt(folder: Path, qc: dict, mods: dict[str, _Module], engine: st
         if got != m.kind:
             out.append(Finding("error", "ignore", f"{m.kind} tensors but the config says "
                                f"{layers.get(m.name, {}).get('quant_algo', algo)}", m.name))
-        if m.kind == "nvfp4" and algo == "NVFP4" and "input_scale" not in m.tensors:
+        if m.kind == "nvfp4" and algo == "NVFP4" and modelopt.NVFP4_NAMES["input_scalar"] not in m.tensors:
             out.append(Finding("error", "layout", "quant_algo NVFP4 (W4A4) needs input_scale", m.name))
     if algo in ("NVFP4", "W4A16_NVFP4") and q.get("group_size") != 16:
         out.append(Finding("error", "config", f"group_size {q.get('group_size')!r}, NVFP4 needs 16", path.name))
@@ -304,12 +318,12 @@ def _check_groups(mods: dict[str, _Module], reader: ShardReader, fmt: str, out: 
                 f"{m.rsplit('.', 1)[-1]}={k}" for m, k in kinds.items()), gid))
             continue
         if set(kinds.values()) == {"nvfp4"}:
-            key = "weight_global_scale" if fmt == "compressed-tensors" else "weight_scale_2"
-            keys = [key] if fmt == "compressed-tensors" else [key, "input_scale"]
+            nvfp4 = get_writer(fmt).NVFP4_NAMES
             # compressed-tensors input_global_scale: quantize.inspect.calib_check (calibration rule)
+            keys = [nvfp4["scalar"]] + ([nvfp4["input_scalar"]] if fmt == "modelopt" else [])
             for key in keys:
                 have = [m for m in members if key in mods[m].tensors]
-                if key == "input_scale" and not have:
+                if key == nvfp4["input_scalar"] and not have:
                     continue  # weight-only ModelOpt build
                 if len(have) != len(members):
                     out.append(Finding("error", "fused-group", f"{key} on " + ", ".join(
@@ -377,7 +391,7 @@ def _check_sensitive(config: dict, mods: dict[str, _Module], infos: dict, engine
 def _check_align(mods: dict[str, _Module], engine: str, tp: int, out: list) -> None:
     modules = {m.name for m in mods.values()}
     for m in mods.values():
-        if m.kind not in ("nvfp4", "fp8-block", "mxfp8"):
+        if m.kind not in _QUANTIZED:
             continue
         moe = "routed_expert" in archs.module_roles(m.name, modules)
         for why in align_violations(engine, m.kind, m.shape, archs.tp_split(m.name), tp, moe):
@@ -386,8 +400,7 @@ def _check_align(mods: dict[str, _Module], engine: str, tp: int, out: list) -> N
 
 def _check_scales(mods: dict[str, _Module], reader: ShardReader, out: list) -> None:
     for m in mods.values():
-        for local in ("weight_scale", "weight_global_scale", "weight_scale_2", "input_scale",
-                      "input_global_scale"):
+        for local in _SCALE_NAMES:
             info = m.tensors.get(local)
             if info is None or m.kind == "unquantized":
                 continue

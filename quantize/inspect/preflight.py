@@ -31,7 +31,7 @@ import torch
 
 from formats.checkpoint import carry_plan
 from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
-from formats.shards import DTYPE_BYTES, ShardReader, is_temp_name
+from formats.shards import DTYPE_BYTES, ShardReader, dtype_name, is_temp_name
 from formats.sources import Source, inspect_source
 from quantize import archs
 from quantize.base.errors import (
@@ -43,6 +43,7 @@ from quantize.base.errors import (
 )
 from quantize.inspect.budget import check_free_disk, predicted_output_bytes
 from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
+from quantize.plan.activations import kv_scale_dtype
 from quantize.plan.recipe import Recipe
 from quantize.plan.tensors import Decision, plan_tensors, predict_outputs
 
@@ -239,8 +240,8 @@ def check_output(out: Path, src: Path, resume: bool, source: Source | None = Non
 
 def preflight(src: str | Path | Source, out: str | Path | None = None, *,
               recipe: Recipe | None = None, resume: bool = False, fmt: str = "compressed-tensors",
-              tp: int = 1, engine: str = "vllm",
-              carry_skip: frozenset[str] = frozenset()) -> Preflight:
+              tp: int = 1, engine: str = "vllm", carry_skip: frozenset[str] = frozenset(),
+              scheme: str = "w4a16", kv_attention: tuple[str, ...] = ()) -> Preflight:
     """Run every pre-flight check on ``src`` (and ``out`` when given); raises nothing.
 
     Args:
@@ -251,6 +252,10 @@ def preflight(src: str | Path | Source, out: str | Path | None = None, *,
             None skips planning.
         resume: an existing non-empty ``out`` holding a spark-quant build is allowed.
         carry_skip: relative paths the converter writes itself (not carried).
+        scheme, kv_attention: what the prediction adds to the planned tensors: ``w4a4``
+            input scales, FP8 KV scales of these attention blocks (in the model's dtype,
+            ``quantize.plan.activations.kv_scale_dtype``); ``predicted`` is then exactly what
+            the converter writes.
 
     Returns:
         :class:`Preflight` with every finding; call ``raise_if_errors`` to stop on errors.
@@ -269,7 +274,9 @@ def preflight(src: str | Path | Source, out: str | Path | None = None, *,
             findings += _custom_code_findings(folder, source.config, copied, refused)
         if recipe is not None and not any(f.level == "error" for f in findings):
             pre.decisions = plan_tensors(source, recipe, tp=tp, engine=engine)
-            pre.predicted = predict_outputs(source, pre.decisions, fmt)
+            kv_dtype = dtype_name(kv_scale_dtype(source.config))
+            pre.predicted = predict_outputs(source, pre.decisions, fmt, scheme=scheme,
+                                            kv_scales={a: kv_dtype for a in kv_attention})
     if out is not None:
         findings += check_output(Path(out), folder, resume, source, pre.predicted)
     return pre

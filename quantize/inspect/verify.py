@@ -267,9 +267,8 @@ def _sample_nvfp4(reader: ShardReader, writer, name: str, names: list[str],
     packed_n, scale_n, scalar_n = names
     packed = reader.get(infos[packed_n].shard, packed_n, rows=(r, r + 1))
     scale = reader.get(infos[scale_n].shard, scale_n, rows=(r, r + 1))
-    scalar = reader.get(infos[scalar_n].shard, scalar_n).reshape(1).to(torch.float32)
     # compressed-tensors stores the quantize-direction global scale, ModelOpt its reciprocal
-    glob = scalar if writer.NVFP4_ORDER == "global" else 1.0 / scalar
+    glob = writer.nvfp4_global_scale(reader.get(infos[scalar_n].shard, scalar_n))
     nan_bytes = sum(int((scale.view(torch.uint8) == b).sum()) for b in _NAN_E4M3)
     g = glob.item()
     if nan_bytes or not (g > 0 and g < float("inf")):

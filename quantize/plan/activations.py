@@ -17,7 +17,7 @@ from quantize.kernels.act_scales import fp8_kv_scale_from_amax
 from quantize.plan.recipe import Target
 from quantize.plan.tensors import Decision, kv_scale_anchor, module_of
 
-__all__ = ["input_amax_plan", "kv_scale_tensors", "calibration_record"]
+__all__ = ["input_amax_plan", "kv_scale_dtype", "kv_scale_tensors", "calibration_record"]
 
 
 def input_amax_plan(decisions: dict[str, Decision], stats: CalibStats, min_tokens: int) -> dict[str, float]:
@@ -49,6 +49,14 @@ def input_amax_plan(decisions: dict[str, Decision], stats: CalibStats, min_token
             members = d.members or (mod,)
             out[mod] = max(own[m] for m in members if m in own)
     return out
+
+
+def kv_scale_dtype(config: dict) -> torch.dtype:
+    """dtype of the FP8 KV scales (compressed-tensors stores them in the attention module's
+    dtype): the checkpoint's declared ``torch_dtype`` / ``dtype``, bfloat16 by default."""
+    cfg = archs.text_config(config)
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return {"float32": torch.float32, "float16": torch.float16}.get(name, torch.bfloat16)
 
 
 def kv_scale_tensors(source: Source, stats: CalibStats, writer: ModuleType,

@@ -131,9 +131,9 @@ def test_config_json_equals_modelopt_converter(targets):
 def test_ct_modelopt_round_trip_is_rename_plus_reciprocal():
     w = weights(1)
     amax = w.abs().amax()
-    g, s2 = global_scale_from_amax(amax), scale_2_from_amax(amax)
+    s2 = scale_2_from_amax(amax)
     packed, scale = quantize_nvfp4_scale2(w, s2)
-    mo = modelopt.emit_nvfp4("m", packed, scale, g, s2)
+    mo = modelopt.emit_nvfp4("m", packed, scale, s2)
     ct = modelopt.to_compressed_tensors(mo)
     assert set(ct) == {"m.weight_packed", "m.weight_scale", "m.weight_global_scale"}
     assert ct["m.weight_packed"] is packed and ct["m.weight_scale"] is scale  # bytes untouched
