@@ -22,7 +22,6 @@ Checks that need the weights themselves (NaN / Inf weights, all-zero tensors, ab
 dense weights) run during conversion, on each tensor as it is read (``quantize.convert.pipeline``).
 """
 
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
