@@ -34,7 +34,7 @@ __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "mo
            "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role",
            "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
            "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
-           "MTP_REQUIRED_PARTS", "kv_record_dims", "KV_DTYPES"]
+           "MTP_REQUIRED_PARTS", "kv_record_dims", "KV_DTYPES", "KVScaleName", "kv_scale_of"]
 
 KV_DTYPES = ("bf16", "fp8", "nvfp4")
 """KV-cache storage dtypes whose per-token records the map knows (``quantize.archs.kvcache``):
@@ -446,6 +446,37 @@ ATTENTION_CHILDREN = ("self_attn", "attention", "attn")
 scales on it as ``<layer>.self_attn.k_scale`` (docs/formats.md §B.4)."""
 
 _EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
+
+_KV_SCALE = re.compile(
+    rf"^(?P<attn>(?:.+\.)?layers\.(?P<layer>\d+)\.(?:{'|'.join(ATTENTION_CHILDREN)}))"
+    r"\.(?:k_proj\.(?=k_)|v_proj\.(?=v_)|attn\.)?(?P<kv>[kv])_scale$")
+
+
+@dataclass(frozen=True)
+class KVScaleName:
+    """What a KV-cache scale tensor's name says: decoder layer, ``"k"`` or ``"v"``, and the
+    attention module it belongs to (``model.language_model.layers.3.self_attn``)."""
+
+    layer: int
+    kv: str
+    attention: str
+
+
+def kv_scale_of(name: str) -> KVScaleName | None:
+    """The KV-cache scale a tensor name holds, whatever the prefix before ``layers.N``.
+
+    Layouts (docs/formats.md §B.4): compressed-tensors ``<attn>.k_scale`` / ``<attn>.v_scale``,
+    ModelOpt ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale``, vLLM's remapped
+    ``<attn>.attn.k_scale``; ``<attn>`` is ``<prefix>layers.N.<child>`` with ``child`` one of
+    :data:`ATTENTION_CHILDREN` and any prefix (``model.``, ``model.language_model.``,
+    ``language_model.model.``, none). Vision-tower blocks are not decoder layers (None), nor
+    is anything else (weights, ``input_scale``, ``k_proj.weight_scale``).
+    """
+    if _VISION.search(name):
+        return None
+    m = _KV_SCALE.match(name)
+    return KVScaleName(int(m["layer"]), m["kv"], m["attn"]) if m else None
+
 
 
 def expert_of(module: str) -> tuple[str, int, str] | None:
