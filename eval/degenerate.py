@@ -14,11 +14,21 @@ surrounding whitespace, it is non-empty and
 
 Sentence-level loops of ordinary text ("The answer is 18. The answer is 18.") are not
 flagged: small models do that at their best.
+
+Two failures of a whole set of completions are counted beside the per-text reasons
+(:func:`degenerate_summary`), each gated on its own (docs/eval.md §7):
+
+- ``empty``: the completion is empty after stripping whitespace (the model stopped at once,
+  or emitted only its end-of-text marker);
+- ``same``: one non-empty completion given to several *different* prompts (a model whose
+  output no longer depends on its input: "!!!!" is caught above, a fluent constant reply
+  such as "I cannot answer." only here). Its share is the count of the most common such
+  completion over all completions.
 """
 
 import unicodedata
 
-__all__ = ["MAX_PERIOD", "MIN_RUN", "degenerate_reason", "degenerate_summary"]
+__all__ = ["MAX_PERIOD", "MIN_RUN", "degenerate_reason", "degenerate_summary", "same_completion"]
 
 MAX_PERIOD = 8
 MIN_RUN = 16
@@ -52,13 +62,49 @@ def degenerate_reason(text: str) -> str | None:
     return None
 
 
-def degenerate_summary(texts: list[str], examples: int = 3) -> dict:
-    """Rate of degenerate completions with counts per reason and a few examples.
+def same_completion(texts: list[str], prompts: list[str] | None = None) -> dict:
+    """The non-empty completion (stripped) given to the most different prompts.
+
+    Args:
+        texts: one completion per request. prompts: the request each came from (any
+            hashable id, e.g. the prompt text); None = every completion answers its own
+            prompt. Completions of one and the same prompt count once.
 
     Returns:
-        ``{"n", "degenerate", "rate", "reasons": {reason: count}, "examples": [str]}``
-        (examples cut to 80 characters).
+        ``{"text": str (cut to 80 characters) or None, "prompts": int}``: how many different
+        prompts got that completion (0 when every completion is empty, 1 when no two
+        different prompts share one); of equal counts, the completion seen first.
     """
+    seen: dict[str, set] = {}
+    for i, t in enumerate(texts):
+        t = t.strip()
+        if t:
+            seen.setdefault(t, set()).add(prompts[i] if prompts is not None else i)
+    if not seen:
+        return {"text": None, "prompts": 0}
+    text = max(seen, key=lambda k: len(seen[k]))  # ties: the first seen
+    return {"text": text[:80], "prompts": len(seen[text])}
+
+
+def degenerate_summary(texts: list[str], examples: int = 3, prompts: list[str] | None = None) -> dict:
+    """Rate of degenerate completions with counts per reason and a few examples, the empty
+    completions and the completion most shared between different prompts.
+
+    Args:
+        texts: completions. examples: how many degenerate ones to keep.
+        prompts: the request of each completion (see :func:`same_completion`).
+
+    Returns:
+        ``{"n", "degenerate", "rate", "reasons": {reason: count}, "examples": [str],
+        "empty", "empty_rate", "same": {"text", "prompts"}, "same_rate"}`` (examples cut to
+        80 characters; rates are shares of ``n``, 0.0 for no text; ``same_rate`` counts only a
+        completion shared by 2 or more different prompts, else 0.0).
+
+    Raises:
+        ValueError: ``prompts`` is not one per text.
+    """
+    if prompts is not None and len(prompts) != len(texts):
+        raise ValueError(f"degenerate_summary: {len(prompts)} prompt ids for {len(texts)} completions")
     reasons: dict[str, int] = {}
     ex = []
     for t in texts:
@@ -68,5 +114,10 @@ def degenerate_summary(texts: list[str], examples: int = 3) -> dict:
             if len(ex) < examples:
                 ex.append(t.strip()[:80])
     bad = sum(reasons.values())
-    return {"n": len(texts), "degenerate": bad, "rate": bad / len(texts) if texts else 0.0,
-            "reasons": reasons, "examples": ex}
+    n = len(texts)
+    empty = sum(1 for t in texts if not t.strip())
+    same = same_completion(texts, prompts)
+    shared = same["prompts"] if same["prompts"] >= 2 else 0
+    return {"n": n, "degenerate": bad, "rate": bad / n if n else 0.0,
+            "reasons": reasons, "examples": ex, "empty": empty, "empty_rate": empty / n if n else 0.0,
+            "same": same, "same_rate": shared / n if n else 0.0}
