@@ -17,6 +17,7 @@ Heavy imports (lm_eval, transformers) happen inside the functions.
 """
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from quantize.data.olmo_eval import export_dataset
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 __all__ = ["GSM8K_TASK", "MC_TASK", "GSM8K_SHOTS", "lm_eval_version", "write_tasks", "load_task",
-           "in_process_lm", "endpoint_lm", "evaluate"]
+           "end_markers", "cut_at_stop", "stop_at_end", "in_process_lm", "endpoint_lm", "evaluate"]
 
 GSM8K_TASK = "spark_gsm8k"
 MC_TASK = "spark_arc_challenge"
@@ -131,8 +132,64 @@ def _task_manager(folder):
     return TaskManager(include_path=str(folder), include_defaults=False)
 
 
+def end_markers(tokenizer, folder: str | Path | None = None) -> tuple[list[int], list[str]]:
+    """The model's end-of-text / end-of-turn tokens, as ids and as the strings they decode to.
+
+    Gathered from the tokenizer's ``eos_token_id`` and the ``eos_token_id`` (an int or a
+    list) of ``folder``'s ``generation_config.json`` and ``config.json`` (its text part):
+    chat models stop on several (GLM ``<|user|>`` / ``<|observation|>``, Llama-3
+    ``<|eot_id|>``), and a model built from ``config.json`` alone knows only one of them.
+
+    Returns:
+        ``(ids, strings)``, each without duplicates, in the order found; empty strings left out.
+    """
+    from quantize import archs
+
+    ids: list[int] = []
+
+    def add(v):
+        for i in (v if isinstance(v, list) else [v]):
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+                ids.append(i)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    if folder is not None:
+        for name in ("generation_config.json", "config.json"):
+            f = Path(folder) / name
+            if f.is_file():
+                cfg = json.loads(f.read_text())
+                add((archs.text_config(cfg) if name == "config.json" else cfg).get("eos_token_id"))
+    strings = []
+    for i in ids:
+        t = tokenizer.decode([i], skip_special_tokens=False)
+        if t and t not in strings:
+            strings.append(t)
+    return ids, strings
+
+
+def cut_at_stop(text: str, stops) -> str:
+    """``text`` up to the earliest occurrence of any string of ``stops`` (unchanged if none):
+    what comes after a model's end-of-text marker is never its answer."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def stop_at_end(lm, stops):
+    """``lm`` (an lm-eval ``LM``) with every ``generate_until`` completion cut at the first of
+    ``stops`` (:func:`cut_at_stop`), before lm-eval's filters extract an answer from it. Set
+    on the instance, so lm-eval still sees its own ``LM`` class. Returns ``lm``."""
+    stops = [s for s in stops if s]
+    inner = lm.generate_until
+
+    def generate_until(requests, *args, **kwargs):
+        return [cut_at_stop(c, stops) for c in inner(requests, *args, **kwargs)]
+
+    lm.generate_until = generate_until
+    return lm
+
+
 def in_process_lm(model, tokenizer, batch_size: int = 8, max_length: int | None = None,
-                  cache_factory=None):
+                  cache_factory=None, end_ids: list[int] | None = None):
     """lm-eval ``HFLM`` around an already loaded transformers model.
 
     Args:
@@ -144,6 +201,11 @@ def in_process_lm(model, tokenizer, batch_size: int = 8, max_length: int | None 
         cache_factory: optional zero-argument callable returning a fresh transformers
             ``Cache`` for every ``generate`` call (KV-cache dtype experiments,
             :mod:`eval.kvcache`); log-likelihood requests run without a cache.
+        end_ids: end-of-text token ids (:func:`end_markers`); a completion is cut at the
+            first of them before it is decoded. lm-eval decodes with
+            ``skip_special_tokens=True``, which would drop the marker and keep the text the
+            model went on to write after it (and generate stops only at the ids the model's
+            generation config knows).
 
     Returns:
         an ``lm_eval.api.model.LM``.
@@ -155,6 +217,12 @@ def in_process_lm(model, tokenizer, batch_size: int = 8, max_length: int | None 
             if cache_factory is not None:
                 generation_kwargs["cache"] = cache_factory()
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+        def tok_decode(self, tokens, skip_special_tokens: bool = True):
+            if end_ids and isinstance(tokens, list):
+                cut = next((i for i, t in enumerate(tokens) if t in end_ids), len(tokens))
+                tokens = tokens[:cut]
+            return super().tok_decode(tokens, skip_special_tokens=skip_special_tokens)
 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

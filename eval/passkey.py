@@ -96,8 +96,13 @@ def make_prompts(tokenizer, lengths: list[int], depths: list[int], trials: int,
     return out
 
 
-def score(completion: str, key: int) -> int:
-    """1 if the first integer in ``completion`` equals ``key`` else 0."""
+def score(completion: str, key: int, stops=()) -> int:
+    """1 if the first integer in ``completion`` equals ``key`` else 0. Only the text before
+    the first of ``stops`` (the model's end-of-text markers, :func:`eval.harness.end_markers`)
+    is read: a key written after the model ended its answer does not count."""
+    for s in stops:
+        if s and s in completion:
+            completion = completion[:completion.index(s)]
     m = _INT.search(completion)
     return int(bool(m) and int(m.group()) == key)
 
@@ -107,8 +112,9 @@ def grid_summary(records: list[dict]) -> dict:
 
     Returns:
         ``{"lengths", "depths", "grid": [[acc per depth] per length], "mean_tokens": [per
-        length], "trials", "mean", "worst_cell", "max_length_all_depths_100"}``; the last is
-        the largest length whose every depth scored 100 %, or 0 when none did.
+        length], "length_mean": [mean accuracy over the depths, per length], "trials", "mean",
+        "worst_cell", "max_length_all_depths_100"}``; the last is the largest length whose
+        every depth scored 100 %, or 0 when none did.
     """
     lengths = sorted({r["length"] for r in records})
     depths = sorted({r["depth"] for r in records})
@@ -123,6 +129,7 @@ def grid_summary(records: list[dict]) -> dict:
     worst = min(((a, L, d) for L, row in zip(lengths, grid) for d, a in zip(depths, row)))
     return {"lengths": lengths, "depths": depths, "grid": grid,
             "mean_tokens": [sum(toks[L]) / len(toks[L]) for L in lengths],
+            "length_mean": [sum(row) / len(row) for row in grid],
             "trials": len(records) // max(1, len(cells)), "mean": sum(flat) / len(flat),
             "worst_cell": {"acc": worst[0], "length": worst[1], "depth": worst[2]},
             "max_length_all_depths_100": max(perfect) if perfect else 0}
