@@ -111,6 +111,25 @@ def _drop_check(name, paired, z, min_drop, severity):
                   f"max({min_drop}, {z} x se))")
 
 
+def _garbage_checks(prefix: str, d: dict, td: dict) -> list[dict]:
+    """Broken-output checks of one degenerate summary (:func:`eval.degenerate.degenerate_summary`):
+    ``degenerate.rate``, ``degenerate.empty.rate``, ``degenerate.same.rate``, all of
+    ``[degenerate] severity``."""
+    out = [_check(f"{prefix}degenerate.rate", d["rate"], "<=", td["max_rate"], td["severity"],
+                  degenerate_text(d))]
+    if "empty_rate" in d:
+        out.append(_check(f"{prefix}degenerate.empty.rate", d["empty_rate"], "<=", td["max_empty_rate"],
+                          td["severity"], f"{d['empty']} of {d['n']} completions empty"))
+    if "same_rate" in d:
+        same = d["same"]
+        out.append(_check(f"{prefix}degenerate.same.rate", d["same_rate"], "<=", td["max_same_rate"],
+                          td["severity"],
+                          f"{same['prompts']} different prompts of {d['n']} got the same completion "
+                          f"{same['text']!r}" if same["prompts"] >= 2 else
+                          f"no two different prompts of {d['n']} got the same completion"))
+    return out
+
+
 def gate_checks(suites: dict, t: dict) -> list[dict]:
     """Checks for whatever ``suites`` holds (see :func:`eval.suite.run_eval` for the layout)."""
     checks = []
@@ -142,28 +161,50 @@ def gate_checks(suites: dict, t: dict) -> list[dict]:
                              f"{pk['baseline']['max_length_all_depths_100']} -> "
                              f"{pk['build']['max_length_all_depths_100']}"))
     kv = suites.get("kv_parity", {}).get("dtypes", {})
-    tk = t["kv_parity"]
+    tk, tg, td = t["kv_parity"], t["gsm8k"], t["degenerate"]
     for d in ("fp8", "nvfp4"):
         r = kv.get(d)
         if not r:
             continue
+        sev = tk[f"{d}_severity"]
+        kls = []
         if "kl" in r:
+            kls.append(r["kl"]["mean_kl"])
             checks.append(_check(f"kv_parity.{d}.mean_kl", r["kl"]["mean_kl"], "<=",
-                                 tk[f"{d}_max_mean_kl"], tk[f"{d}_severity"],
+                                 tk[f"{d}_max_mean_kl"], sev,
                                  f"vs the same build with bf16 KV; scales {r['scales']}"))
-        if "degenerate" in r:
-            checks.append(_check(f"kv_parity.{d}.degenerate.rate", r["degenerate"]["rate"], "<=",
-                                 t["degenerate"]["max_rate"], tk[f"{d}_severity"],
-                                 degenerate_text(r["degenerate"])))
-        if "passkey" in r and "passkey" in kv.get("bf16", {}):
-            checks.append(_check(f"kv_parity.{d}.passkey.drop",
-                                 kv["bf16"]["passkey"]["mean"] - r["passkey"]["mean"], "<=",
-                                 tk["max_passkey_drop"], tk[f"{d}_severity"]))
+        for b in r.get("kl_by_length", []):  # each context length on its own tokens
+            kls.append(b["mean_kl"])
+            checks.append(_check(f"kv_parity.{d}.kl@{b['length']}", b["mean_kl"], "<=",
+                                 tk[f"{d}_max_mean_kl"], sev,
+                                 f"context {b['from']}..{b['length']} tokens ({b['tokens']} predictions), "
+                                 f"top-1 {b['top1_agree']:.3f}, vs bf16 KV"))
+        if kls:
+            checks.append(_check(f"kv_parity.{d}.collapse", max(kls), "<=", tk["collapse_max_kl"],
+                                 tk["collapse_severity"],
+                                 f"largest KL vs bf16 KV over the mean and every context length; "
+                                 f"{d}_severity does not soften it"))
+        base_pk = kv.get("bf16", {}).get("passkey")
+        if "passkey" in r and base_pk:
+            checks.append(_check(f"kv_parity.{d}.passkey.drop", base_pk["mean"] - r["passkey"]["mean"], "<=",
+                                 tk["max_passkey_drop"], sev))
+            for L, b_acc, acc in zip(r["passkey"]["lengths"], base_pk.get("length_mean", []),
+                                     r["passkey"].get("length_mean", [])):
+                checks.append(_check(f"kv_parity.{d}.passkey.drop@{L}", b_acc - acc, "<=",
+                                     tk["max_passkey_drop"], sev,
+                                     f"mean over depths at {L} tokens: bf16 KV {b_acc:.3f} -> {d} {acc:.3f}"))
+        gp = r.get("gsm8k_paired")
+        if gp:
+            checks.append(_drop_check(f"kv_parity.{d}.gsm8k.flexible-extract.drop", gp["flexible-extract"],
+                                      tg["z"], tg["min_drop"], sev))
+            checks.append(_drop_check(f"kv_parity.{d}.gsm8k.strict-match.drop", gp["strict-match"],
+                                      tg["z"], tg["min_drop"], tg["strict_severity"]))
+    for d, r in kv.items():  # broken output fails whatever the dtype's severity
+        if r.get("degenerate", {}).get("n"):
+            checks += _garbage_checks(f"kv_parity.{d}.", r["degenerate"], td)
     dg = suites.get("degenerate")
     if dg and dg["build"]["n"]:
-        td = t["degenerate"]
-        checks.append(_check("degenerate.rate", dg["build"]["rate"], "<=", td["max_rate"],
-                             td["severity"], degenerate_text(dg["build"])))
+        checks += _garbage_checks("", dg["build"], td)
         if dg.get("baseline") and dg["baseline"]["n"]:
             checks.append(_check("degenerate.increase", dg["build"]["rate"] - dg["baseline"]["rate"],
                                  "<=", td["max_increase"], td["severity"],

@@ -24,6 +24,7 @@ and SGLang default, or calibrated with :func:`calibrate_scales`):
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from quantize.kernels.dtypes import E2M1_MAX, E4M3_MAX
 from quantize.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
 __all__ = ["KV_DTYPES", "fp8_roundtrip", "nvfp4_roundtrip", "bf16_roundtrip", "kv_bytes_per_token",
-           "scales_from_build", "calibrate_scales", "kv_cache_factory"]
+           "scales_from_build", "calibrate_scales", "kv_cache_factory", "kl_by_length"]
 
 
 
@@ -104,22 +105,44 @@ def kv_bytes_per_token(config: dict, dtype: str) -> dict:
 
 
 def scales_from_build(folder: str | Path) -> dict[int, tuple[float, float]]:
-    """Per-layer ``(k_scale, v_scale)`` stored in a build (compressed-tensors
-    ``kv_cache_scheme`` / ModelOpt: ``model.layers.{i}.self_attn.{k,v}_scale``); {} if none."""
+    """Per-layer ``(k_scale, v_scale)`` dequant multipliers stored in a build; {} if none.
+
+    Names are read through the architecture map (:func:`quantize.archs.kv_scale_of`), so every
+    layout and prefix counts: compressed-tensors ``<attn>.k_scale`` (``kv_cache_scheme``),
+    ModelOpt ``<attn>.k_proj.k_scale``, under ``model.layers.N``, ``model.language_model.layers.N``
+    (multimodal builds) or any other prefix. A layer with only one of the two takes 1.0 for the
+    other (the engines' default).
+
+    Raises:
+        ValueError: a scale that is not one finite value > 0 (0 or NaN collapses the cache), or
+            two tensors giving one layer's k (or v) scale different values (both named).
+    """
     from safetensors import safe_open
+
+    from quantize.archs import kv_scale_of
 
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     names = (json.loads(index.read_text())["weight_map"] if index.exists()
-             else {n: f.name for f in folder.glob("*.safetensors")
+             else {n: f.name for f in sorted(folder.glob("*.safetensors"))
                    for n in safe_open(str(f), "pt").keys()})
-    found: dict[int, dict[str, float]] = {}
-    for name, shard in names.items():
-        parts = name.split(".")
-        if parts[-1] in ("k_scale", "v_scale") and len(parts) > 3 and parts[2].isdigit():
-            with safe_open(str(folder / shard), "pt") as f:
-                found.setdefault(int(parts[2]), {})[parts[-1]] = float(f.get_tensor(name).float().reshape(-1)[0])
-    return {i: (d.get("k_scale", 1.0), d.get("v_scale", 1.0)) for i, d in found.items()}
+    found: dict[int, dict[str, tuple[float, str]]] = {}
+    for name, shard in sorted(names.items()):
+        kv = kv_scale_of(name)
+        if kv is None:
+            continue
+        with safe_open(str(folder / shard), "pt") as f:
+            t = f.get_tensor(name).float().reshape(-1)
+        if t.numel() != 1 or not (math.isfinite(float(t[0])) and float(t[0]) > 0):
+            raise ValueError(f"{name} ({shard}): a KV-cache scale must be one finite value > 0, got "
+                             f"{t.tolist()[:4]}{' ...' if t.numel() > 4 else ''}")
+        value, key = float(t[0]), f"{kv.kv}_scale"
+        prev = found.setdefault(kv.layer, {}).get(key)
+        if prev is not None and prev[0] != value:
+            raise ValueError(f"layer {kv.layer} has two {key}s: {prev[1]} = {prev[0]} and {name} = {value}")
+        found[kv.layer][key] = (value, name)
+    return {i: (d["k_scale"][0] if "k_scale" in d else 1.0, d["v_scale"][0] if "v_scale" in d else 1.0)
+            for i, d in sorted(found.items())}
 
 
 @functools.cache
@@ -214,4 +237,56 @@ def calibrate_scales(model, batches: list[torch.Tensor], dtype: str) -> dict[int
             out[layer] = (s, s)
         else:
             out[layer] = (ka / div or 1.0, va / div or 1.0)
+    return out
+
+
+@torch.no_grad()
+def kl_by_length(model, tokenizer, texts: list[str], lengths: list[int], ref_cache, test_cache,
+                 chunk: int = 1024) -> list[dict]:
+    """KL(ref cache || test cache) of one model, per context length (docs/eval.md §7).
+
+    One window of the first ``max(lengths) + 1`` ids of the text stream (joined with ``"\\n\\n"``,
+    no special tokens, as :func:`eval.kl.token_windows`) runs through the model twice, with a
+    fresh cache from each factory. The next-token prediction at position p has p + 1 tokens of
+    context; the bucket of length ``L`` holds the predictions whose context is longer than the
+    previous length and at most ``L`` (the first bucket starts at one token), ``L - previous``
+    predictions. So each length
+    is scored on its own tokens and a loss that grows with context cannot average away.
+
+    Args:
+        model: causal LM in eval mode. tokenizer: ``encode(text, add_special_tokens=False)``.
+        texts: evaluation texts. lengths: context lengths in tokens, each >= 2.
+        ref_cache, test_cache: zero-argument cache factories (:func:`kv_cache_factory`).
+        chunk: positions per float64 log-softmax (bounds host memory at long context).
+
+    Returns:
+        ``[{"length": L, "from": first context length in the bucket, "mean_kl": nats/token,
+        "top1_agree": 0..1, "tokens": predictions scored}]`` in ascending ``length``.
+
+    Raises:
+        ValueError: a length < 2, or the texts give at most ``max(lengths)`` tokens.
+    """
+    lengths = sorted(set(int(n) for n in lengths))
+    if not lengths or lengths[0] < 2:
+        raise ValueError(f"KV-parity KL lengths must be token counts >= 2, got {lengths}")
+    ids = list(tokenizer.encode("\n\n".join(texts), add_special_tokens=False))[:lengths[-1] + 1]
+    if len(ids) <= lengths[-1]:
+        raise ValueError(f"the KL texts give {len(ids)} tokens; KV parity at {lengths[-1]} tokens of "
+                         f"context needs {lengths[-1] + 1}")
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    ref = model(input_ids=x, cache=ref_cache(), use_cache=True).logits[0, :-1]
+    test = model(input_ids=x, cache=test_cache(), use_cache=True).logits[0, :-1]
+    kl = torch.empty(ref.shape[0], dtype=torch.float64)
+    agree = torch.empty(ref.shape[0], dtype=torch.bool)
+    for a in range(0, ref.shape[0], chunk):
+        lr = torch.log_softmax(ref[a:a + chunk].to(torch.float64), dim=-1)
+        lt = torch.log_softmax(test[a:a + chunk].to(torch.float64), dim=-1)
+        kl[a:a + chunk] = (lr.exp() * (lr - lt)).sum(-1).cpu()
+        agree[a:a + chunk] = (lr.argmax(-1) == lt.argmax(-1)).cpu()
+    out, prev = [], 0
+    for n in lengths:  # prediction p has p + 1 tokens of context: (prev, n] is p in [prev, n)
+        out.append({"length": n, "from": prev + 1, "mean_kl": float(kl[prev:n].mean()),
+                    "top1_agree": float(agree[prev:n].double().mean()), "tokens": n - prev})
+        prev = n
     return out

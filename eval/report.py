@@ -186,11 +186,21 @@ def render_markdown(r: dict) -> str:
                 f"{x['passkey']['max_length_all_depths_100']} | "
                 f"{_pct(gk['strict-match']['acc']) if gk else 'n/a'} (n={gk['n'] if gk else 0}) | "
                 f"{_pct(gk['flexible-extract']['acc']) if gk else 'n/a'} |")
+        for d, x in kv["dtypes"].items():
+            if x.get("kl_by_length") and d != "bf16":
+                lines.append(f"\n{d} KV, KL vs bf16 KV by context length: " + ", ".join(
+                    f"{b['from']}..{b['length']} {b['mean_kl']:.5f}" for b in x["kl_by_length"]))
     if "degenerate" in s:
         lines += ["", "## Degenerate outputs", ""]
         for name, d in s["degenerate"].items():
             ex = "; examples: " + ", ".join("`" + e.replace("`", "'") + "`" for e in d["examples"]) if d["examples"] else ""
-            lines.append(f"- {name}: {degenerate_text(d)}, {_pct(d['rate'])}{ex}")
+            extra = ""
+            if "empty" in d:
+                extra = f"; {d['empty']} empty; " + (
+                    f"{d['same']['prompts']} different prompts got the same completion "
+                    f"`{d['same']['text'].replace('`', chr(39))}`" if d["same"]["prompts"] >= 2
+                    else "no completion shared by different prompts")
+            lines.append(f"- {name}: {degenerate_text(d)}, {_pct(d['rate'])}{extra}{ex}")
     if r.get("files"):
         lines += ["", "## Files", "", ", ".join(f"`{f}`" for f in r["files"])]
     lines += ["", "## Provenance", "", "```json",

@@ -10,9 +10,13 @@ Suites (``EvalOptions.suites``):
   paired on acc_norm. Needs log-probabilities: in process only.
 - ``passkey``: the length x depth grid of :mod:`eval.passkey` on build and baseline.
 - ``kv-parity``: the build with its KV cache in bf16, fp8 and NVFP4 (:mod:`eval.kvcache`): KL
-  and top-1 against bf16 KV, the passkey grid, a GSM8K subset, and bytes per token. In process.
+  and top-1 against bf16 KV (the mean, and each context length up to the longest passkey
+  length on its own), the passkey grid, a GSM8K subset paired with bf16 KV, and bytes per
+  token. bf16 always runs first, as the reference. In process.
 
-Every generated completion (GSM8K, passkey) also goes through :mod:`eval.degenerate`.
+Every generated completion (GSM8K, passkey, each KV dtype) also goes through
+:mod:`eval.degenerate` (degenerate, empty, the same completion for different prompts), and
+ends at the model's first end-of-text marker before any answer is read from it.
 Models run in process through transformers, or the build is reached through an
 OpenAI-compatible ``endpoint`` (vLLM, SGLang, ``transformers serve``) with lm-eval's
 ``local-chat-completions`` / ``local-completions`` clients.
@@ -250,15 +254,20 @@ class _Side:
         return self._model
 
     def lm(self, chat: bool, cache_factory=None, key: str = "default"):
-        from eval.harness import endpoint_lm, in_process_lm
+        """The lm-eval ``LM`` of this side; every completion it returns ends at the model's
+        first end-of-text marker (:func:`eval.harness.end_markers`), so no answer is
+        extracted from text written after it."""
+        from eval.harness import end_markers, endpoint_lm, in_process_lm, stop_at_end
 
         k = (key, chat if self.endpoint else None)
         if k not in self._lms:
+            ids, stops = end_markers(self.tok, self.folder)
             if self.endpoint:
-                self._lms[k] = endpoint_lm(self.endpoint, self.endpoint_model, self.folder, chat=chat)
+                lm = endpoint_lm(self.endpoint, self.endpoint_model, self.folder, chat=chat)
             else:
-                self._lms[k] = in_process_lm(self.model, self.tok, self.opts.batch_size,
-                                             cache_factory=cache_factory)
+                lm = in_process_lm(self.model, self.tok, self.opts.batch_size,
+                                   cache_factory=cache_factory, end_ids=ids)
+            self._lms[k] = stop_at_end(lm, stops)
         return self._lms[k]
 
 
@@ -355,6 +364,7 @@ class _Run:
     timings: dict = field(default_factory=dict)
     pk_rows: list[dict] = field(default_factory=list)
     texts_for_degenerate: dict = field(default_factory=dict)
+    """``{side: [(prompt id, completion), ...]}`` of every generated completion."""
 
     @property
     def suites(self) -> list[str]:
@@ -385,7 +395,8 @@ class _Run:
 
         opts, results, base, out = self.opts, self.results, self.base, self.out
         if any(self.texts_for_degenerate.values()):
-            results["degenerate"] = {name: degenerate_summary(t) for name, t in self.texts_for_degenerate.items()}
+            results["degenerate"] = {name: degenerate_summary([c for _, c in pairs], prompts=[p for p, _ in pairs])
+                                     for name, pairs in self.texts_for_degenerate.items()}
         checks = gate_checks(results, self.thresholds)
         passed = complete and gate_passed(checks)
         scope = {"suites": self.suites, "suites_done": list(self.done), "limit": opts.limit,
@@ -522,7 +533,7 @@ def _run_gsm8k(run: _Run) -> None:
         res = evaluate(side.lm(chat), run.task_dir, [GSM8K_TASK], opts.limit, chat, opts.seed)
         items[name] = gsm8k_items(res["samples"][GSM8K_TASK])
         r[name] = gsm8k_summary(items[name])
-        run.texts_for_degenerate[name] += [i["response"] for i in items[name]]
+        run.texts_for_degenerate[name] += [(f"gsm8k:{i['doc_id']}", i["response"]) for i in items[name]]
         rows += [{"model": name, **i} for i in items[name]]
     if "baseline" in items:
         r["paired"] = {f: paired_compare(items["baseline"], items["build"], f)
@@ -565,7 +576,7 @@ def _run_passkey(run: _Run) -> None:
         r[name] = grid_summary(recs)
         heatmap_png(r[name], run.out / f"passkey_{name}.png", f"passkey: {name} ({Path(side.folder).name})")
         r[name]["heatmap"] = f"passkey_{name}.png"
-        run.texts_for_degenerate[name] += [x["completion"] for x in recs]
+        run.texts_for_degenerate[name] += [(_passkey_id(x), x["completion"]) for x in recs]
         run.pk_rows += [{"model": name, "kv": "default", **x} for x in recs]
     run.suite_done("passkey", r, t0)
 
@@ -586,6 +597,11 @@ def _run_kv_parity(run: _Run) -> None:
 
 _SUITE_RUNS = {"kl": _run_kl, "gsm8k": _run_gsm8k, "mc": _run_mc, "passkey": _run_passkey,
                "kv-parity": _run_kv_parity}
+
+
+def _passkey_id(rec: dict) -> str:
+    """The prompt a passkey record answers (its grid cell, trial and key)."""
+    return f"passkey:{rec['length']}:{rec['depth']}:{rec['trial']}:{rec['key']}"
 
 
 def _scope_n(results: dict, pk_prompts: list | None) -> dict:
@@ -611,15 +627,24 @@ def _device_name(device: str) -> str:
     return device
 
 
+def _kv_dtype_order(dtypes) -> list[str]:
+    """``dtypes`` with ``bf16`` first (added when missing): every parity check compares a
+    dtype with the same build on bf16 KV."""
+    return ["bf16"] + [d for d in dtypes if d != "bf16"]
+
+
 def _kv_parity(side, tok, opts, out, task_dir, pk_prompts, pk_rows, data, chat, progress) -> dict:
-    """The build with each KV dtype: KL vs bf16 KV, passkey grid, GSM8K subset, bytes/token.
-    ``progress(result)`` is called after each dtype."""
+    """The build with each KV dtype (bf16 first, the reference): KL vs bf16 KV (mean over
+    ``kl_window`` windows, and per context length up to the longest passkey length), passkey
+    grid, GSM8K subset paired with bf16 KV, degenerate / empty / same-completion summary,
+    bytes/token. ``progress(result)`` is called after each dtype."""
     from eval.degenerate import degenerate_summary
-    from eval.gsm8k import gsm8k_items, gsm8k_summary
+    from eval.gsm8k import gsm8k_items, gsm8k_summary, paired_compare
     from eval.harness import GSM8K_TASK, evaluate
     from eval.kl import teacher_forced_kl, token_windows
     from eval.kvcache import (
         calibrate_scales,
+        kl_by_length,
         kv_bytes_per_token,
         kv_cache_factory,
         scales_from_build,
@@ -628,14 +653,21 @@ def _kv_parity(side, tok, opts, out, task_dir, pk_prompts, pk_rows, data, chat, 
     from quantize.data.texts import essay_texts, texts_sha256
 
     model = side.model
+    lengths = sorted({p["length"] for p in pk_prompts}) if pk_prompts else []
     texts = essay_texts(max(20000, opts.kl_tokens * 8))
     data["essays_sha256"] = texts_sha256(texts)
+    if lengths:  # about 8 characters per token leaves room for any tokenizer
+        long_texts = essay_texts(8 * (max(lengths) + 1))
+        data["kv_length_essays_sha256"] = texts_sha256(long_texts)
     stored = scales_from_build(side.folder)
-    res = {"settings": {"kv_dtypes": list(opts.kv_dtypes), "scales": opts.kv_scales,
-                        "gsm8k_limit": opts.kv_gsm8k_limit, "kl_tokens": opts.kl_tokens},
+    dtypes = _kv_dtype_order(opts.kv_dtypes)
+    res = {"settings": {"kv_dtypes": dtypes, "scales": opts.kv_scales,
+                        "gsm8k_limit": opts.kv_gsm8k_limit, "kl_tokens": opts.kl_tokens,
+                        "kl_lengths": lengths},
            "record": kv_bytes_per_token(model.config.to_dict(), "bf16")["record"], "dtypes": {}}
     ref = kv_cache_factory(model.config, "bf16")
-    for d in opts.kv_dtypes:
+    gsm_items = {}
+    for d in dtypes:
         if opts.kv_scales == "calibrate":
             windows = token_windows(tok, texts, opts.kl_tokens, opts.kl_window)
             scales, src = calibrate_scales(model, windows, d), "calibrated amax (KL text)"
@@ -649,19 +681,24 @@ def _kv_parity(side, tok, opts, out, task_dir, pk_prompts, pk_rows, data, chat, 
             r["scale_values"] = {str(k): list(v) for k, v in sorted(scales.items())}
         r["kl"] = teacher_forced_kl(model, model, tok, texts, opts.kl_tokens, opts.kl_window,
                                     ref_cache=ref, test_cache=factory)
+        if lengths:
+            r["kl_by_length"] = kl_by_length(model, tok, long_texts, lengths, ref, factory)
         lm = side.lm(False, cache_factory=factory, key=f"kv-{d}")  # in process: chat is per call
         recs = run_passkey(lm, pk_prompts)
         r["passkey"] = grid_summary(recs)
         heatmap_png(r["passkey"], out / f"passkey_kv_{d}.png", f"passkey: build, {d} KV cache")
         r["passkey"]["heatmap"] = f"passkey_kv_{d}.png"
         pk_rows += [{"model": "build", "kv": d, **x} for x in recs]
-        outputs = [x["completion"] for x in recs]
+        pairs = [(_passkey_id(x), x["completion"]) for x in recs]
         if opts.kv_gsm8k_limit:
             ev = evaluate(lm, task_dir, [GSM8K_TASK], opts.kv_gsm8k_limit, chat, opts.seed)
-            items = gsm8k_items(ev["samples"][GSM8K_TASK])
-            r["gsm8k"] = gsm8k_summary(items)
-            outputs += [i["response"] for i in items]
-        r["degenerate"] = degenerate_summary(outputs)
+            gsm_items[d] = gsm8k_items(ev["samples"][GSM8K_TASK])
+            r["gsm8k"] = gsm8k_summary(gsm_items[d])
+            if d != "bf16":
+                r["gsm8k_paired"] = {f: paired_compare(gsm_items["bf16"], gsm_items[d], f)
+                                     for f in ("strict-match", "flexible-extract")}
+            pairs += [(f"gsm8k:{i['doc_id']}", i["response"]) for i in gsm_items[d]]
+        r["degenerate"] = degenerate_summary([c for _, c in pairs], prompts=[p for p, _ in pairs])
         res["dtypes"][d] = r
         progress(res)
     return res
