@@ -266,7 +266,7 @@ def kl_by_length(model, tokenizer, texts: list[str], lengths: list[int], ref_cac
     Raises:
         ValueError: a length < 2, or the texts give at most ``max(lengths)`` tokens.
     """
-    lengths = sorted(set(int(n) for n in lengths))
+    lengths = sorted({int(n) for n in lengths})
     if not lengths or lengths[0] < 2:
         raise ValueError(f"KV-parity KL lengths must be token counts >= 2, got {lengths}")
     ids = list(tokenizer.encode("\n\n".join(texts), add_special_tokens=False))[:lengths[-1] + 1]
