@@ -81,6 +81,10 @@ _SENSITIVE_BY_MODEL_TYPE: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
     mt: ((re.compile(r"\.indexer\.weights_proj$"), "indexer_weights_proj"),)
     for mt in ("glm5_next", "glm5_next_text", "glm_moe_dsa", "deepseek_v32")
 }
+# vLLM 0.26 deepseek_v2.py builds the indexer's fused wk_weights_proj with quant_config=None and
+# loads wk as BF16 (or dequantizes a 128x128 block-FP8 wk); an NVFP4 wk does not load.
+for _mt in ("glm_moe_dsa", "deepseek_v32"):
+    _SENSITIVE_BY_MODEL_TYPE[_mt] += ((re.compile(r"\.indexer\.wk$"), "indexer_wk"),)
 
 # ---- roles ---------------------------------------------------------------------------
 ROLES = ("routed_expert", "shared_expert", "dense_mlp", "mla", "kda", "indexer", "attention",
@@ -189,7 +193,7 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
 
     Returns:
         one of ``embedding``, ``lm_head``, ``router``, ``mtp_eh_proj``, ``vision``,
-        ``indexer_weights_proj`` (per model_type), or None.
+        ``indexer_weights_proj`` / ``indexer_wk`` (per model_type), or None.
     """
     if _EMBEDDING.search(module):
         return "embedding"
