@@ -17,7 +17,7 @@
   MoE models (sources and builds) load this way: compressed-tensors' ``dequantize=True``
   (transformers 5.24, compressed-tensors 0.20.1) multiplies fused expert weights by their
   global scale instead of dividing (values near 2688x), and the plain ``load_state_dict`` of
-  per-expert names does not fit the fused parameters (docs/eval.md).
+  per-expert names does not fit the fused parameters (docs/formats.md §L.2).
 
 Heavy imports (transformers, safetensors) happen inside the functions.
 """

@@ -170,7 +170,7 @@ MODEL_RULES: tuple[ModelRule, ...] = tuple(
 
 # ---- vLLM 0.26 model-level rules (DeepSeek-V2/V3, GLM-5 through vllm deepseek_v2.py) ----------
 # What vLLM needs from a build's config.json and tensor set beyond the quantization layout
-# (docs/formats.md "What the engines need from a checkpoint"; read in the vLLM 0.26.0 wheel).
+# (docs/formats.md §B.3.7; read in the vLLM 0.26.0 wheel).
 
 VLLM_MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 """model_types vLLM runs through ``deepseek_v2.py`` (``GlmMoeDsaForCausalLM`` is an empty

@@ -78,8 +78,7 @@ def write_synthetic_fp8(folder: Path, n_shards: int, experts_per_shard: int,
 
 RELEASE_MODEL_TYPES = ("glm5_next", "glm_moe_dsa", "deepseek_v3")
 
-# Tiny dims vLLM 0.26 accepts on Hopper (docs/formats.md "What the engines need from a
-# checkpoint"): MLA kv_lora_rank 512 + qk_rope 64 = 576 (the MLA backends' head size) and
+# Tiny dims vLLM 0.26 accepts on Hopper (docs/formats.md §B.3.7): MLA kv_lora_rank 512 + qk_rope 64 = 576 (the MLA backends' head size) and
 # (qk_nope, v) = (128, 128), DeepSeek-V3's pair in the FA prefill set; 16 heads (FlashMLA sparse
 # prefill pads heads to 64 and needs 64 % heads == 0); DSA index_head_dim 128 with 32 index heads
 # (DeepGEMM MQA logits: head dim 128, 16 / 32 / 64 heads) and index_topk 512 (a fast top-k size,

@@ -48,9 +48,9 @@ def test_reference_is_our_dequantization_and_logits_track_source(moe):
             lb = torch.log_softmax(model(ids).logits.float(), -1)
         kl = float((ls.exp() * (ls - lb)).sum(-1).mean())
         # A random model at initializer_range 0.1 amplifies the ~9.5% weight error (routing
-        # flips, peaky attention): measured 0.96-0.97 nats on DeepSeek-V3; unrelated random
-        # logits of this scale are > 2 nats away.
-        assert 0.1 < kl < 1.5, (fmt, kl)
+        # flips, peaky attention): measured 0.54 nats (DeepSeek-V3, both formats) and 0.45
+        # (GLM-5, compressed-tensors); 0.003 at the default 0.02.
+        assert 0.2 < kl < 1.0, (fmt, kl)
         cfg = json.loads((folder / "config.json").read_text())
         assert cfg["topk_method"] == "noaux_tc" and cfg["scoring_func"] == "sigmoid"
         assert check_build(folder, engine="vllm") == [], fmt  # the vLLM model rules hold too
