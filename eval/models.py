@@ -10,6 +10,14 @@
 - :func:`load_model`: whichever of the three a folder's ``quantization_config`` calls for.
 - :func:`dequantized_reference_state`: the same build dequantized by our own kernel, to check
   that transformers' decompression agrees with ours.
+- :func:`dequantized_build_state` / :func:`load_dense_state`: a whole build (either format,
+  NVFP4 / FP8 block / MXFP8 modules) dequantized by our own kernels, and a dense on-disk state
+  loaded into the transformers class through transformers' own conversion mapping (routed
+  experts stacked into ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]).
+  MoE models (sources and builds) load this way: compressed-tensors' ``dequantize=True``
+  (transformers 5.24, compressed-tensors 0.20.1) multiplies fused expert weights by their
+  global scale instead of dividing (values near 2688x), and the plain ``load_state_dict`` of
+  per-expert names does not fit the fused parameters (docs/formats.md §L.2).
 
 Heavy imports (transformers, safetensors) happen inside the functions.
 """
@@ -23,13 +31,19 @@ import torch
 
 from formats.sources import open_source
 from quantize import archs
+from quantize.kernels.fp8 import dequantize_fp8_block
+from quantize.kernels.mxfp8 import dequantize_mxfp8
 from quantize.kernels.nvfp4 import dequantize_nvfp4
 
 __all__ = ["load_source_model", "load_build_model", "load_modelopt_build", "load_model",
-           "dequantized_reference_state", "source_dense_state", "build_dense_state", "load_dense_model"]
+           "dequantized_reference_state", "source_dense_state", "build_dense_state", "load_dense_model",
+           "dequantized_build_state", "load_dense_state", "is_moe"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_ANY_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
 _NVFP4 = (".weight_packed", ".weight_scale", ".weight_global_scale")
+_NOT_WEIGHTS = (".input_scale", ".input_global_scale", ".k_scale", ".v_scale")
+"""Activation and KV-cache scales: not weights, dropped from a dense state."""
 
 
 def _is_mtp(name: str, n_layers: int) -> bool:
@@ -64,6 +78,13 @@ def load_source_model(folder: str | Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src = open_source(folder)
+    if is_moe(src.config):  # fused experts: through transformers' conversion mapping
+        try:
+            config = src.config
+            state = {n: src.read(n) for n in sorted(src.tensors)}
+        finally:
+            src.close()
+        return load_dense_state(state, config, dtype, Path(folder).name)
     try:
         cfg_dict = json.loads(json.dumps(src.config))  # deep copy
         cfg_dict.pop("quantization_config", None)
@@ -117,6 +138,11 @@ def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32, dev
     weight_global_scale`` triple into a plain ``.weight`` while loading, so the result is an
     ordinary dense model with ``nn.Linear`` weights.
 
+    MoE builds (routed experts in the config) are instead dequantized by our own kernels
+    (:func:`dequantized_build_state`) and loaded with :func:`load_dense_state`:
+    ``dequantize=True`` multiplies fused expert weights by their global scale (2688 / amax)
+    where it must divide, so their weights come out ~2688 / amax**2 times too large.
+
     Precision (transformers 5.24, compressed-tensors 0.20.1): ``NVFP4PackedCompressor``
     decompresses through bfloat16, so each weight equals
     ``bf16(dequantize_nvfp4(...))`` exactly, then cast to ``dtype``; compare against
@@ -139,6 +165,10 @@ def load_build_model(folder: str | Path, dtype: torch.dtype = torch.float32, dev
     """
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if is_moe(config):  # dequantize=True scales fused experts wrongly: our own dequantization
+        return load_dense_state(dequantized_build_state(folder), config, dtype,
+                                Path(folder).name).to(device).eval()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = AutoModelForCausalLM.from_pretrained(
@@ -288,6 +318,124 @@ def load_dense_model(state: dict[str, torch.Tensor], config: dict, dtype: torch.
     return model.eval()
 
 
+def is_moe(config: dict) -> bool:
+    """True when the (text) config declares routed experts (``archs.num_routed_experts``)."""
+    return archs.num_routed_experts(config) is not None
+
+
+def _read_shards(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    shards = sorted(Path(folder).glob("*.safetensors"))
+    if not shards:
+        raise RuntimeError(f"{folder} has no .safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        raw.update(load_file(str(shard)))
+    return raw
+
+
+def dequantized_build_state(folder: str | Path,
+                            weight_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every weight of a build (compressed-tensors or ModelOpt) dequantized by our own kernels,
+    under on-disk names, for a dense reference.
+
+    - NVFP4 (``weight_packed`` / ``weight_scale`` / ``weight_global_scale``; ModelOpt ``weight``
+      uint8 + ``weight_scale_2``, renamed by ``formats.modelopt.to_compressed_tensors``):
+      :func:`quantize.kernels.nvfp4.dequantize_nvfp4`.
+    - FP8 block (``weight`` float8_e4m3fn + float ``weight_scale`` [ceil(N/128), ceil(K/128)],
+      multiplier): :func:`quantize.kernels.fp8.dequantize_fp8_block`.
+    - MXFP8 (``weight`` float8_e4m3fn + uint8 e8m0 ``weight_scale`` [N, K/32]):
+      :func:`quantize.kernels.mxfp8.dequantize_mxfp8`.
+
+    Dequantized weights are exact in float32, then cast to ``weight_dtype``; other tensors keep
+    their stored dtype. Activation and KV-cache scales (``input_scale``, ``input_global_scale``,
+    ``k_scale``, ``v_scale``) are dropped. Per-expert weights stay per expert (on-disk names).
+
+    Raises:
+        RuntimeError: no shards; an incomplete NVFP4 triple; an FP8 weight without its
+            ``weight_scale`` or with a scale of the wrong shape (the tensor is named).
+    """
+    folder = Path(folder)
+    raw = _read_shards(folder)
+    if _quant_method(folder) == "modelopt" or str(_quant_method(folder)).startswith("modelopt"):
+        from formats import modelopt
+
+        raw = modelopt.to_compressed_tensors(raw)
+    raw = {n: t for n, t in raw.items() if not n.endswith(_NOT_WEIGHTS)}
+    fp8 = {n[: -len(".weight")] for n, t in raw.items()
+           if n.endswith(".weight") and t.dtype == torch.float8_e4m3fn}
+    rest = {n: t for n, t in raw.items() if n.rsplit(".", 1)[0] not in fp8
+            or not n.endswith((".weight", ".weight_scale"))}
+    state = _dequantize_nvfp4_state(rest, weight_dtype)
+    for m in sorted(fp8):
+        w, sc = raw[m + ".weight"], raw.get(m + ".weight_scale")
+        if sc is None:
+            raise RuntimeError(f"{m}.weight is float8_e4m3fn without {m}.weight_scale")
+        n, k = w.shape
+        if sc.dtype == torch.uint8:
+            if tuple(sc.shape) != (n, k // 32):
+                raise RuntimeError(f"{m}.weight_scale is {list(sc.shape)}, MXFP8 needs [{n}, {k // 32}]")
+            state[m + ".weight"] = dequantize_mxfp8(w, sc).to(weight_dtype)
+        else:
+            if tuple(sc.shape) != (-(-n // 128), -(-k // 128)):
+                raise RuntimeError(f"{m}.weight_scale is {list(sc.shape)}, FP8 block 128x128 needs "
+                                   f"[{-(-n // 128)}, {-(-k // 128)}]")
+            state[m + ".weight"] = dequantize_fp8_block(w, sc.to(torch.float32), (128, 128)).to(weight_dtype)
+    return state
+
+
+def load_dense_state(state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype = torch.float32,
+                     name: str = "state"):
+    """Load a dense state with on-disk names into ``config``'s transformers causal LM, in
+    memory, through transformers' own conversion mapping (``from_pretrained(None,
+    state_dict=...)``): per-expert ``experts.<e>.{gate,up,down}_proj.weight`` become the fused
+    ``experts.gate_up_proj`` [E, 2I, H] (gate rows then up rows) and ``experts.down_proj``
+    [E, H, I] (``archs.FUSED_EXPERT_PARAMS``), GLM-5.3 KDA names are renamed.
+
+    Skipped: MTP layers (``layers.{num_hidden_layers + k}.*``, transformers does not model
+    them) and ``lm_head.weight`` when ``tie_word_embeddings``. The config is used without
+    ``quantization_config``. Tensors are cast to ``dtype``.
+
+    Returns:
+        ``PreTrainedModel`` in eval mode on CPU.
+
+    Raises:
+        RuntimeError: parameters missing, unexpected tensors or shape mismatches, listed
+            together (``N problem(s) loading <name> into <class>``).
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cfg = json.loads(json.dumps(config))
+    cfg.pop("quantization_config", None)
+    text = archs.text_config(cfg)
+    text.pop("quantization_config", None)
+    mtp = set(archs.mtp_layer_indices(cfg))
+    tied = bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
+    keep = {}
+    for n, t in state.items():
+        m = _ANY_LAYER.match(n)
+        if (m and int(m.group(1)) in mtp) or (tied and n == "lm_head.weight"):
+            continue
+        keep[n] = t.to(dtype)
+    hf_cfg = AutoConfig.for_model(**cfg)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_cfg)]  # the class from_config would build
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = cls.from_pretrained(None, config=hf_cfg, state_dict=keep, dtype=dtype,
+                                          output_loading_info=True)
+    lines = ([f"missing (in model, not on disk): {n}" for n in sorted(info["missing_keys"])]
+             + [f"unexpected (on disk, not in model): {n}" for n in sorted(info["unexpected_keys"])]
+             + [f"shape mismatch {m}" for m in sorted(map(str, info["mismatched_keys"]))])
+    if info.get("conversion_errors"):
+        lines += [f"conversion error {k}: {v}" for k, v in sorted(info["conversion_errors"].items())]
+    if lines:
+        raise RuntimeError(f"{len(lines)} problem(s) loading {name} into {type(model).__name__}:\n  "
+                           + "\n  ".join(lines))
+    return model.eval()
+
+
 def _quant_method(folder: Path) -> str | None:
     cfg = json.loads((folder / "config.json").read_text())
     qc = cfg.get("quantization_config") or archs.text_config(cfg).get("quantization_config") or {}
@@ -317,6 +465,8 @@ def load_modelopt_build(folder: str | Path, dtype: torch.dtype = torch.float32):
 
     folder = Path(folder)
     cfg_dict = json.loads((folder / "config.json").read_text())
+    if is_moe(cfg_dict):  # per-expert weights into the fused expert parameters
+        return load_dense_state(dequantized_build_state(folder, dtype), cfg_dict, dtype, folder.name)
     cfg_dict.pop("quantization_config", None)
     archs.text_config(cfg_dict).pop("quantization_config", None)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg_dict), dtype=dtype).eval()

@@ -8,7 +8,10 @@ a rule) and by ``quantize check``.
 from dataclasses import dataclass
 
 __all__ = ["ENGINES", "AlignRule", "ALIGN_RULES", "align_violations", "FormatSupport",
-           "FORMAT_SUPPORT", "MODEL_RULES", "ModelRule", "MODELOPT_REQUIRED_KEYS"]
+           "FORMAT_SUPPORT", "MODEL_RULES", "ModelRule", "MODELOPT_REQUIRED_KEYS",
+           "VLLM_MLA_MODEL_TYPES", "VLLM_MLA_HEAD_SIZES", "VLLM_MLA_HEAD_SIZES_UNCONFIRMED",
+           "VLLM_MLA_PREFILL_DIMS", "VLLM_DSA_INDEX_HEAD_DIM", "VLLM_DSA_INDEX_HEADS", "VLLM_DSA_ROPE_DIM",
+           "VLLM_MOE_HIDDEN_MULTIPLE", "VLLM_NOAUX_TC", "VLLM_LAYER_TYPES_REJECTED"]
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
@@ -163,3 +166,48 @@ MODEL_RULES: tuple[ModelRule, ...] = tuple(
               "vLLM glm5next builds MLA and KDA projections with quant_config=None ('MLA projections "
               "are BF16 in checkpoint'); seen in a vLLM-derived tree, UNCONFIRMED upstream")
     for mt in ("glm5_next",) for role in ("mla", "kda"))
+
+
+# ---- vLLM 0.26 model-level rules (DeepSeek-V2/V3, GLM-5 through vllm deepseek_v2.py) ----------
+# What vLLM needs from a build's config.json and tensor set beyond the quantization layout
+# (docs/formats.md §B.3.7; read in the vLLM 0.26.0 wheel).
+
+VLLM_MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+"""model_types vLLM runs through ``deepseek_v2.py`` (``GlmMoeDsaForCausalLM`` is an empty
+subclass): MLA when ``kv_lora_rank`` is set, DSA when ``index_topk`` is set."""
+
+VLLM_MLA_HEAD_SIZES = (576,)
+"""``kv_lora_rank + qk_rope_head_dim`` the MLA backends take (``MLACommonMetadata``: "Head
+dimension X is not supported by MLA" unless 576 or 320; 320 has no known kernel use, so only 576
+is clean and 320 is a warning)."""
+
+VLLM_MLA_HEAD_SIZES_UNCONFIRMED = (320,)
+
+VLLM_MLA_PREFILL_DIMS = ((128, 64, 128), (192, 64, 256), (64, 64, 128))
+"""``(qk_nope_head_dim, qk_rope_head_dim, v_head_dim)`` of the only MLA prefill backend on SM90
+(FLASH_ATTN, ``mla/prefill/flash_attn.py``): others raise "No valid MLA prefill backend found" for
+dense MLA; sparse (DSA) models fall back to the top-k MQA path with a warning."""
+
+VLLM_DSA_INDEX_HEAD_DIM = 128
+"""DSA indexer key / query head dim: vLLM's indexer quantizes in blocks of 128 and DeepGEMM's
+MQA-logits kernel asserts ``head_dim == 128``."""
+
+VLLM_DSA_INDEX_HEADS = (16, 32, 64)
+"""``index_n_heads`` DeepGEMM's paged MQA-logits kernel accepts."""
+
+VLLM_DSA_ROPE_DIM = 64
+"""``qk_rope_head_dim`` the fused indexer q-rope-quant path needs (``sparse_attn_indexer.py``)."""
+
+VLLM_MOE_HIDDEN_MULTIPLE = 64
+"""NVFP4 routed experts through Marlin: ``prepare_nvfp4_moe_layer_for_marlin`` asserts
+``hidden_size % 64 == 0`` (the K of gate / up, the N of down)."""
+
+VLLM_NOAUX_TC = "noaux_tc"
+"""``topk_method`` with which vLLM creates ``mlp.gate.e_score_correction_bias`` (fp32 [E]); with
+any other value a checkpoint's bias is an unknown parameter (KeyError at load), and without
+the bias tensors a ``noaux_tc`` model routes with an uninitialised bias (vLLM checks no
+completeness of quantized checkpoints)."""
+
+VLLM_LAYER_TYPES_REJECTED = ("indexed_attention",)
+"""``layer_types`` values transformers 5.17 (vLLM 0.26's pin on the H200 machine) rejects;
+``deepseek_sparse_attention`` is read by 5.17 and 5.24 alike."""

@@ -25,7 +25,7 @@ Facts live here as data rows, each with its source:
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "module_roles",
@@ -34,7 +34,8 @@ __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "mo
            "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role",
            "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
            "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
-           "MTP_REQUIRED_PARTS", "kv_record_dims", "KV_DTYPES", "KVScaleName", "kv_scale_of"]
+           "MTP_REQUIRED_PARTS", "kv_record_dims", "KV_DTYPES", "KVScaleName", "kv_scale_of",
+           "portable_layer_types"]
 
 KV_DTYPES = ("bf16", "fp8", "nvfp4")
 """KV-cache storage dtypes whose per-token records the map knows (``quantize.archs.kvcache``):
@@ -81,6 +82,10 @@ _SENSITIVE_BY_MODEL_TYPE: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
     mt: ((re.compile(r"\.indexer\.weights_proj$"), "indexer_weights_proj"),)
     for mt in ("glm5_next", "glm5_next_text", "glm_moe_dsa", "deepseek_v32")
 }
+# vLLM 0.26 deepseek_v2.py builds the indexer's fused wk_weights_proj with quant_config=None and
+# loads wk as BF16 (or dequantizes a 128x128 block-FP8 wk); an NVFP4 wk does not load.
+for _mt in ("glm_moe_dsa", "deepseek_v32"):
+    _SENSITIVE_BY_MODEL_TYPE[_mt] += ((re.compile(r"\.indexer\.wk$"), "indexer_wk"),)
 
 # ---- roles ---------------------------------------------------------------------------
 ROLES = ("routed_expert", "shared_expert", "dense_mlp", "mla", "kda", "indexer", "attention",
@@ -189,7 +194,7 @@ def sensitive_role(module: str, shape: tuple[int, ...], config: dict,
 
     Returns:
         one of ``embedding``, ``lm_head``, ``router``, ``mtp_eh_proj``, ``vision``,
-        ``indexer_weights_proj`` (per model_type), or None.
+        ``indexer_weights_proj`` / ``indexer_wk`` (per model_type), or None.
     """
     if _EMBEDDING.search(module):
         return "embedding"
@@ -244,6 +249,13 @@ class ReleaseLayout:
 
     ``mtp_layer_kind``: config list entries appended for the MTP layer (it is a full
     attention + MoE decoder layer, DeepSeek-V3 README_WEIGHTS.md).
+
+    ``config_keys``: keys the release's config.json carries that the transformers config
+    class has no field for, but engines read (DeepSeek-V3 and GLM-5 config.json; vLLM 0.26
+    deepseek_v2.py): the router's ``topk_method: noaux_tc`` (``e_score_correction_bias`` exists
+    only with it) and ``scoring_func: sigmoid`` (default softmax), ``moe_layer_freq: 1`` (with
+    ``first_k_dense_replace``, vLLM's only MoE-placement rule), GLM-5's
+    ``indexer_rope_interleave: true`` (its indexer RoPE is interleaved, vLLM's default NeoX).
     """
 
     model_type: str
@@ -251,23 +263,27 @@ class ReleaseLayout:
     bf16_linears: tuple[str, ...]
     f32: tuple[str, ...]
     mtp_layer_kind: dict
+    config_keys: dict = field(default_factory=dict)
 
 
 _COMMON_BF16_LINEARS = (r"(^|\.)lm_head\.weight$", r"\.indexer\.weights_proj\.weight$",
                         r"\.eh_proj\.weight$", r"\.shared_head\.head\.weight$",
                         r"(^|\.)(visual|vision_tower)\.")
 
+_NOAUX_TC = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+_GLM5_KEYS = {**_NOAUX_TC, "indexer_rope_interleave": True}
+
 RELEASE_LAYOUTS: dict[str, ReleaseLayout] = {
     # DeepSeek-V3 FP8 release: router bf16, e_score_correction_bias f32
     # (DeepSeek-V3 README_WEIGHTS.md, inference/model.py Gate).
     "deepseek_v3": ReleaseLayout("deepseek_v3", "DeepseekV3ForCausalLM", _COMMON_BF16_LINEARS,
-                                 (r"\.e_score_correction_bias$",), {}),
+                                 (r"\.e_score_correction_bias$",), {}, _NOAUX_TC),
     # GLM-5 FP8 release: DeepSeek-style block FP8; indexer weights_proj bf16 without
     # weight_scale_inv (transformers models/glm_moe_dsa/modular_glm_moe_dsa.py).
     "glm_moe_dsa": ReleaseLayout("glm_moe_dsa", "GlmMoeDsaForCausalLM", _COMMON_BF16_LINEARS,
                                  (r"\.e_score_correction_bias$",),
                                  {"mlp_layer_types": "sparse", "layer_types": "indexed_attention",
-                                  "indexer_types": "full"}),
+                                  "indexer_types": "full"}, _GLM5_KEYS),
     # GLM-5.3-Flash: on-disk names = transformers 5.24 reverse conversion mapping
     # (conversion_mapping.py "glm5_next": f_a_proj/f_b_proj/dt_bias/A_log at self_attn level,
     # hc_{attn,ffn}_{fn,base,scale}, q/k/v_conv1d, per-expert 2-D experts). Float32 on disk:
@@ -277,8 +293,19 @@ RELEASE_LAYOUTS: dict[str, ReleaseLayout] = {
                                (r"\.e_score_correction_bias$", r"_conv1d\.weight$", r"\.dt_bias$",
                                 r"\.A_log$", r"\.hc_(attn|ffn)_(base|scale)$"),
                                {"mlp_layer_types": "sparse", "layer_types": "indexed_attention",
-                                "indexer_types": "full"}),
+                                "indexer_types": "full"}, _NOAUX_TC),
 }
+
+_LEGACY_LAYER_TYPES = {"indexed_attention": "deepseek_sparse_attention"}
+
+
+def portable_layer_types(layer_types: list[str]) -> list[str]:
+    """``layer_types`` as every transformers 5.x config class accepts them: transformers
+    5.24 names DSA layers ``indexed_attention`` and maps the older ``deepseek_sparse_attention``
+    onto it (``_LEGACY_LAYER_TYPE_REMAP``); 5.17, which vLLM 0.26 runs with, knows only
+    ``deepseek_sparse_attention`` and rejects ``indexed_attention``. Other values unchanged."""
+    return [_LEGACY_LAYER_TYPES.get(t, t) for t in layer_types]
+
 
 MTP_EXTRA_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                      "shared_head.head.weight", "embed_tokens.weight")

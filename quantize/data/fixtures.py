@@ -78,49 +78,65 @@ def write_synthetic_fp8(folder: Path, n_shards: int, experts_per_shard: int,
 
 RELEASE_MODEL_TYPES = ("glm5_next", "glm_moe_dsa", "deepseek_v3")
 
+# Tiny dims vLLM 0.26 accepts on Hopper (docs/formats.md §B.3.7): MLA kv_lora_rank 512 + qk_rope 64 = 576 (the MLA backends' head size) and
+# (qk_nope, v) = (128, 128), DeepSeek-V3's pair in the FA prefill set; 16 heads (FlashMLA sparse
+# prefill pads heads to 64 and needs 64 % heads == 0); DSA index_head_dim 128 with 32 index heads
+# (DeepGEMM MQA logits: head dim 128, 16 / 32 / 64 heads) and index_topk 512 (a fast top-k size,
+# >= any prompt here, so DSA selects every token); hidden 256 and intermediate sizes multiples of
+# 128 (Marlin FP4 tiles without padding: N % 64 and K % 128; block FP8 merged partitions % 128).
+# GLM-5.3-Flash keeps its real KDA / MLA head dims (linear_head_dim 128; NoPE MLA qk_nope = v = 256,
+# qk_rope 0, kv_lora_rank 512; index_head_dim 128).
+_MLA = dict(kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=128,
+            v_head_dim=128, num_attention_heads=16, num_key_value_heads=16)
 _TINY_TEXT = {
-    "glm5_next": dict(vocab_size=256, hidden_size=192, intermediate_size=256, moe_intermediate_size=64,
+    "glm5_next": dict(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                      n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=64,
-                      qk_nope_head_dim=32, v_head_dim=32, index_topk=32, index_head_dim=32,
-                      index_n_heads=4, index_kpool=16, linear_head_dim=32, linear_num_heads=4,
+                      n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=256,
+                      qk_nope_head_dim=256, v_head_dim=256, index_topk=64, index_head_dim=128,
+                      index_n_heads=4, index_kpool=16, linear_head_dim=128, linear_num_heads=4,
                       hc_mult=2, pad_token_id=0, max_position_embeddings=512,
                       mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
-    "glm_moe_dsa": dict(vocab_size=256, hidden_size=192, intermediate_size=256,
-                        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                        kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
-                        v_head_dim=32, head_dim=16, index_topk=32, index_head_dim=32, index_n_heads=4,
+    "glm_moe_dsa": dict(vocab_size=256, hidden_size=256, intermediate_size=512,
+                        moe_intermediate_size=128, num_hidden_layers=3, n_routed_experts=8,
+                        num_experts_per_tok=2, **_MLA, head_dim=64, index_topk=512, index_head_dim=128,
+                        index_n_heads=32, first_k_dense_replace=1, max_position_embeddings=512),
+    "deepseek_v3": dict(vocab_size=256, hidden_size=256, intermediate_size=512,
+                        moe_intermediate_size=128, num_hidden_layers=3, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, **_MLA,
                         first_k_dense_replace=1, max_position_embeddings=512),
-    "deepseek_v3": dict(vocab_size=256, hidden_size=192, intermediate_size=256,
-                        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-                        topk_group=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
-                        qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1,
-                        max_position_embeddings=512),
 }
-_TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=192,
+_TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=256,
                     projection_intermediate_size=64, image_size=28)
 
 
-def release_config(model_type: str, size: str = "tiny") -> dict:
+def release_config(model_type: str, size: str = "tiny", initializer_range: float | None = None) -> dict:
     """``config.json`` of an FP8 release: the transformers config class's ``to_dict()``
     (defaults for ``size="full"``, small dimensions for ``"tiny"``), one MTP layer
-    (``num_nextn_predict_layers: 1``) and the block-FP8 ``quantization_config``.
+    (``num_nextn_predict_layers: 1``), the release's router keys and ``layer_types`` names
+    (``archs.ReleaseLayout.config_keys`` / ``portable_layer_types``) and the block-FP8
+    ``quantization_config``.
+
+    Args:
+        initializer_range: std of the random Linear weights the fixture gets (the config key
+            of that name; transformers' default 0.02 when None).
 
     Raises:
         ValueError: unknown model_type or size.
     """
     from transformers import AutoConfig
 
-    from quantize.archs import RELEASE_LAYOUTS
+    from quantize.archs import RELEASE_LAYOUTS, portable_layer_types
 
     if model_type not in RELEASE_LAYOUTS:
         raise ValueError(f"unknown model_type {model_type!r} (valid: {', '.join(RELEASE_MODEL_TYPES)})")
     if size not in ("tiny", "full"):
         raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
+    layout = RELEASE_LAYOUTS[model_type]
     text = dict(_TINY_TEXT[model_type]) if size == "tiny" else {}
     text["num_nextn_predict_layers"] = 1
+    text.update(layout.config_keys)
+    if initializer_range is not None:
+        text["initializer_range"] = float(initializer_range)
     if model_type == "glm5_next":
         kwargs = {"text_config": text}
         if size == "tiny":
@@ -128,7 +144,12 @@ def release_config(model_type: str, size: str = "tiny") -> dict:
     else:
         kwargs = text
     cfg = AutoConfig.for_model(model_type, **kwargs).to_dict()
-    cfg["architectures"] = [RELEASE_LAYOUTS[model_type].hf_class]
+    text_cfg = text_config(cfg)
+    for key, value in layout.config_keys.items():  # kept even where the config class drops them
+        text_cfg.setdefault(key, value)
+    if isinstance(text_cfg.get("layer_types"), list):
+        text_cfg["layer_types"] = portable_layer_types(text_cfg["layer_types"])
+    cfg["architectures"] = [layout.hf_class]
     cfg["quantization_config"] = dict(BLOCK_FP8_CONFIG)
     for k in ("transformers_version", "_name_or_path"):
         cfg.pop(k, None)
@@ -232,10 +253,12 @@ def _scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return (-(-shape[0] // bh), -(-shape[1] // bw))
 
 
-def write_release_fixture(folder: Path, model_type: str, seed: int = 0, n_shards: int = 3) -> Path:
+def write_release_fixture(folder: Path, model_type: str, seed: int = 0, n_shards: int = 3,
+                          initializer_range: float | None = None) -> Path:
     """Write a tiny FP8 checkpoint in the exact on-disk layout of the ``model_type`` release
     (see :func:`release_tensors`): shards (a weight and its scale may sit in different
     shards), index from the written headers, ``config.json``. Takes seconds.
+    ``initializer_range``: std of the random Linear weights (see :func:`release_config`).
 
     Returns:
         the folder.
@@ -245,7 +268,7 @@ def write_release_fixture(folder: Path, model_type: str, seed: int = 0, n_shards
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = release_config(model_type, "tiny")
+    config = release_config(model_type, "tiny", initializer_range)
     tensors: dict[str, torch.Tensor] = {}
     for name, (storage, shape, value) in release_tensors(config, with_data=True, seed=seed).items():
         if storage == "fp8":

@@ -20,6 +20,12 @@ Rules, each a finding with the tensor or module it is about (docs/formats.md §B
   a routed-expert layer has one scheme (vLLM "All MoE projections need to have same
   quantization scheme").
 - ``align``: per-TP-shard shapes meet the engine's alignment rows (``formats.engines``).
+- ``model`` (vLLM): the config keys and tensor set vLLM 0.26's DeepSeek / GLM-5 code needs
+  (``formats.engines`` VLLM_* rows): ``layer_types`` transformers 5.17 reads, router bias only
+  with ``topk_method: noaux_tc`` (and on every router then), MLA head 576 and the SM90 prefill
+  dims, DSA index dims and indexer parts (MTP layers too; ``wk`` BF16 or block FP8), MoE placement by
+  ``first_k_dense_replace`` / ``moe_layer_freq``, no layers beyond the MTP layers, NVFP4 routed
+  experts' hidden % 64.
 - ``mtp``: each MTP layer (index from config) is present and complete, ``eh_proj`` unquantized.
 - ``sensitive``: routers and other sensitive modules unquantized; model-specific loader rows.
 - ``scale``: no NaN / Inf / non-positive scale value, no 0x7F / 0xFF e4m3 byte (FC-11).
@@ -43,6 +49,16 @@ from formats.engines import (
     FORMAT_SUPPORT,
     MODEL_RULES,
     MODELOPT_REQUIRED_KEYS,
+    VLLM_DSA_INDEX_HEAD_DIM,
+    VLLM_DSA_INDEX_HEADS,
+    VLLM_DSA_ROPE_DIM,
+    VLLM_LAYER_TYPES_REJECTED,
+    VLLM_MLA_HEAD_SIZES,
+    VLLM_MLA_HEAD_SIZES_UNCONFIRMED,
+    VLLM_MLA_MODEL_TYPES,
+    VLLM_MLA_PREFILL_DIMS,
+    VLLM_MOE_HIDDEN_MULTIPLE,
+    VLLM_NOAUX_TC,
     align_violations,
 )
 from formats.shards import ShardReader, TensorInfo, read_header
@@ -398,6 +414,128 @@ def _check_align(mods: dict[str, _Module], engine: str, tp: int, out: list) -> N
             out.append(Finding("error", "align", why, m.name))
 
 
+_ANY_LAYER = re.compile(r"^(?P<pre>(?:.*\.)?layers\.)(?P<i>\d+)\.")
+_INDEXER_PARTS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+"""Indexer tensors vLLM builds for every DSA layer and MTP layer (``deepseek_v2.py`` Indexer;
+``k_norm`` is a LayerNorm with weight and bias)."""
+
+
+def _check_vllm_model(config: dict, infos: dict[str, TensorInfo], mods: dict[str, _Module],
+                      out: list) -> None:
+    """vLLM 0.26's model-level needs (``formats.engines`` VLLM_* rows): config keys its
+    config classes and attention backends accept, router bias vs ``topk_method``, DSA indexer
+    dims and parts, MoE placement, no layers it has no parameters for, NVFP4 expert K."""
+    cfg = {**config, **archs.text_config(config)}  # text keys win; top-level ones still seen
+    where = "config.json"
+    types = cfg.get("layer_types")
+    bad = sorted({t for t in types if t in VLLM_LAYER_TYPES_REJECTED}) if isinstance(types, list) else []
+    if bad:
+        out.append(Finding("error", "model", f"layer_types has {bad}: transformers 5.17 (vLLM 0.26) "
+                           "rejects it; 'deepseek_sparse_attention' is read by transformers 5.17 and 5.24",
+                           where))
+    if config.get("model_type") not in VLLM_MLA_MODEL_TYPES and cfg.get("model_type") not in VLLM_MLA_MODEL_TYPES:
+        return  # vLLM's DeepSeek / GLM-5 code only
+    biases = sorted(n for n in infos if n.endswith(".e_score_correction_bias"))
+    topk = cfg.get("topk_method")
+    if biases and topk != VLLM_NOAUX_TC:
+        out.append(Finding("error", "model", f"{len(biases)} e_score_correction_bias tensor(s) but "
+                           f"config.json topk_method is {topk!r}: vLLM creates the bias only with "
+                           f"topk_method '{VLLM_NOAUX_TC}' (unknown parameter at load)", biases[0]))
+    if topk == VLLM_NOAUX_TC:
+        routers = sorted(n[: -len(".weight")] for n in infos if n.endswith(".mlp.gate.weight"))
+        lacking = [r for r in routers if f"{r}.e_score_correction_bias" not in infos]
+        if lacking:
+            out.append(Finding("error", "model", f"topk_method '{VLLM_NOAUX_TC}' but {len(lacking)} "
+                               "router(s) lack e_score_correction_bias: vLLM would route with an "
+                               "uninitialised bias", f"{lacking[0]}.e_score_correction_bias"))
+        if "scoring_func" not in cfg:
+            out.append(Finding("warning", "model", f"topk_method '{VLLM_NOAUX_TC}' without scoring_func: "
+                               "vLLM defaults to softmax; DeepSeek-V3 and GLM-5 route with 'sigmoid'", where))
+    rope = cfg.get("qk_rope_head_dim") or 0
+    dsa = "index_topk" in cfg
+    if cfg.get("kv_lora_rank"):
+        head = int(cfg["kv_lora_rank"]) + int(rope)
+        if head not in VLLM_MLA_HEAD_SIZES:
+            level = "warning" if head in VLLM_MLA_HEAD_SIZES_UNCONFIRMED else "error"
+            out.append(Finding(level, "model", f"kv_lora_rank {cfg['kv_lora_rank']} + qk_rope_head_dim "
+                               f"{rope} = {head}: vLLM's MLA backends take 576 (kv_lora_rank 512 + "
+                               "qk_rope_head_dim 64)", where))
+        dims = (cfg.get("qk_nope_head_dim"), rope, cfg.get("v_head_dim"))
+        if dims not in VLLM_MLA_PREFILL_DIMS:
+            out.append(Finding("warning" if dsa else "error", "model",
+                               f"(qk_nope_head_dim, qk_rope_head_dim, v_head_dim) = {dims}: vLLM's SM90 "
+                               f"MLA prefill (FLASH_ATTN) takes {', '.join(map(str, VLLM_MLA_PREFILL_DIMS))}"
+                               + ("; DSA falls back to its top-k MQA path" if dsa else ""), where))
+    if dsa:
+        if cfg.get("index_head_dim") != VLLM_DSA_INDEX_HEAD_DIM:
+            out.append(Finding("error", "model", f"index_head_dim {cfg.get('index_head_dim')}: vLLM's DSA "
+                               f"indexer needs {VLLM_DSA_INDEX_HEAD_DIM} (quant block 128, DeepGEMM head_dim)",
+                               where))
+        if cfg.get("index_n_heads") not in VLLM_DSA_INDEX_HEADS:
+            out.append(Finding("error", "model", f"index_n_heads {cfg.get('index_n_heads')}: DeepGEMM's "
+                               f"MQA logits take {', '.join(map(str, VLLM_DSA_INDEX_HEADS))}", where))
+        if rope != VLLM_DSA_ROPE_DIM:
+            out.append(Finding("error", "model", f"qk_rope_head_dim {rope}: vLLM's DSA indexer needs "
+                               f"{VLLM_DSA_ROPE_DIM}", where))
+    layers: dict[int, set[str]] = {}
+    prefix = "model.layers."
+    for name in infos:
+        m = _ANY_LAYER.match(name)
+        if m and not name.startswith(("model.visual.", "visual.")):
+            layers.setdefault(int(m["i"]), set()).add(name[m.end():])
+            prefix = m["pre"]
+    n = cfg.get("num_hidden_layers")
+    k = cfg.get("num_nextn_predict_layers") or 0
+    if isinstance(n, int):
+        beyond = sorted(i for i in layers if i >= n + k)
+        if beyond:
+            out.append(Finding("error", "model", f"layer(s) {', '.join(map(str, beyond))} beyond "
+                               f"num_hidden_layers {n} + num_nextn_predict_layers {k}: vLLM has no "
+                               "parameters for them (KeyError at load)", f"{prefix}{beyond[0]}"))
+        first, freq = cfg.get("first_k_dense_replace"), cfg.get("moe_layer_freq", 1) or 1
+        if archs.num_routed_experts(config) and isinstance(first, int):
+            want = {i for i in range(n) if i >= first and i % freq == 0}
+            have = {i for i in range(n) if any(".experts." in p for p in layers.get(i, ()))}
+            if want != have:
+                out.append(Finding("error", "model", f"vLLM places MoE by first_k_dense_replace {first} / "
+                                   f"moe_layer_freq {freq} on layers {sorted(want)}; the build has routed "
+                                   f"experts on layers {sorted(have)}", where))
+        if dsa:
+            for i in sorted(layers):
+                if i >= n + k:
+                    continue
+                att = "self_attn.indexer."
+                lacking = [p for p in _INDEXER_PARTS if att + p not in layers[i]
+                           and not (p.endswith(".weight") and f"{att}{p}_packed" in layers[i])]
+                if lacking:
+                    kind = "mtp" if i >= n else "model"
+                    out.append(Finding("error", kind, f"layer {i}: vLLM builds a DSA indexer here but "
+                                       f"the build lacks {', '.join(att + p for p in lacking)}",
+                                       f"{prefix}{i}.{att}{lacking[0]}"))
+        if archs.num_routed_experts(config):
+            for i in range(n, n + k):
+                parts = layers.get(i)
+                if parts and "mlp.gate.weight" not in parts:
+                    out.append(Finding("error", "mtp", f"MTP layer {i}: vLLM builds an MoE block here but "
+                                       "the build lacks mlp.gate.weight", f"{prefix}{i}.mlp.gate.weight"))
+                elif parts and not any(p.startswith("mlp.experts.") for p in parts):
+                    out.append(Finding("error", "mtp", f"MTP layer {i}: vLLM builds an MoE block here but "
+                                       "the build has no routed experts", f"{prefix}{i}.mlp.experts"))
+    for m in mods.values():
+        if m.name.endswith(".indexer.wk") and m.kind in ("nvfp4", "mxfp8"):
+            out.append(Finding("error", "model", f"indexer wk is {m.kind}: vLLM builds wk_weights_proj "
+                               "unquantized and loads wk only as BF16 or 128x128 block FP8", m.name))
+    blocks = set()
+    for m in mods.values():
+        e = archs.expert_of(m.name)
+        if m.kind != "nvfp4" or e is None or e[2] not in ("gate_proj", "up_proj", "w1", "w3") or m.shape is None:
+            continue
+        if m.shape[1] % VLLM_MOE_HIDDEN_MULTIPLE and e[0] not in blocks:
+            blocks.add(e[0])
+            out.append(Finding("error", "align", f"K={m.shape[1]}: vLLM's Marlin NVFP4 MoE needs hidden_size "
+                               f"% {VLLM_MOE_HIDDEN_MULTIPLE} (prepare_nvfp4_moe_layer_for_marlin)", m.name))
+
+
 def _check_scales(mods: dict[str, _Module], reader: ShardReader, out: list) -> None:
     for m in mods.values():
         for local in _SCALE_NAMES:
@@ -465,6 +603,8 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
         _check_mtp(config, infos, mods, out)
         _check_sensitive(config, mods, infos, engine, out)
         _check_align(mods, engine, tp, out)
+        if engine == "vllm":
+            _check_vllm_model(config, infos, mods, out)
         if scan_scales:
             _check_scales(mods, reader, out)
     finally:

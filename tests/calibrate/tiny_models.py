@@ -24,8 +24,9 @@ def _config(kind: str, n_layers: int, hidden: int, inter: int):
                                 moe_intermediate_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
                                 num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
                                 num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
-                                q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-                                v_head_dim=16, max_position_embeddings=512, num_nextn_predict_layers=0)
+                                q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                v_head_dim=128, max_position_embeddings=512, num_nextn_predict_layers=0,
+                                topk_method="noaux_tc", scoring_func="sigmoid")  # MLA dims vLLM takes
     if kind == "glm5_next":  # KDA + DSA-indexed MLA + hyper-connections + MoE
         return Glm5NextTextConfig(
             vocab_size=256, hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=32,

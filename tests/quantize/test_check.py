@@ -6,9 +6,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
 from test_recipes import moe_layer
 
 from formats.checkpoint import INDEX_NAME
+from quantize.base.errors import CheckFailed
 from quantize.cli import main
 from quantize.convert.pipeline import convert
 from quantize.inspect.check import check_build
@@ -133,3 +135,108 @@ def test_cli_exit_codes(build, capsys):
     out = capsys.readouterr().out
     assert "ERROR [config] config.json: config.json quantization_config has no 'ignore'" in out
     assert "1 error(s), 0 warning(s) for vllm TP=2" in out
+
+
+# ---- vLLM 0.26 model-level rules (formats.engines VLLM_*) ---------------------------------
+
+def findings(folder, **kw):
+    return [(f.level, f.kind, f.tensor, f.message) for f in check_build(folder, **kw)
+            if f.kind in ("model", "mtp", "align")]
+
+
+B = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+@pytest.mark.parametrize("build", ["compressed-tensors", "modelopt"], indirect=True)
+def test_vllm_router_bias_needs_noaux_tc(build):
+    edit_json(build / "config.json", lambda d: d.pop("topk_method"))
+    assert findings(build) == [("error", "model", B, "2 e_score_correction_bias tensor(s) but config.json "
+                                "topk_method is None: vLLM creates the bias only with topk_method "
+                                "'noaux_tc' (unknown parameter at load)")]
+    assert [f for f in findings(build, engine="sglang") if f[1] == "model"] == []  # a vLLM rule
+
+
+@pytest.mark.parametrize("build", ["compressed-tensors"], indirect=True)
+def test_vllm_noaux_tc_needs_every_bias_and_scoring_func(build):
+    set_tensor(build, B, None)
+    edit_json(build / "config.json", lambda d: d.pop("scoring_func"))
+    assert findings(build) == [
+        ("error", "model", B, "topk_method 'noaux_tc' but 1 router(s) lack e_score_correction_bias: vLLM "
+         "would route with an uninitialised bias"),
+        ("warning", "model", "config.json", "topk_method 'noaux_tc' without scoring_func: vLLM defaults to "
+         "softmax; DeepSeek-V3 and GLM-5 route with 'sigmoid'")]
+
+
+@pytest.mark.parametrize("build", ["compressed-tensors"], indirect=True)
+def test_vllm_mla_dims(build):
+    """The old tiny fixtures' MLA dims (kv_lora_rank 32, rope 16, nope 32, v 32)."""
+    edit_json(build / "config.json", lambda d: d.update(kv_lora_rank=32, qk_rope_head_dim=16,
+                                                        qk_nope_head_dim=32, v_head_dim=32))
+    assert findings(build) == [
+        ("error", "model", "config.json", "kv_lora_rank 32 + qk_rope_head_dim 16 = 48: vLLM's MLA backends "
+         "take 576 (kv_lora_rank 512 + qk_rope_head_dim 64)"),
+        ("error", "model", "config.json", "(qk_nope_head_dim, qk_rope_head_dim, v_head_dim) = (32, 16, 32): "
+         "vLLM's SM90 MLA prefill (FLASH_ATTN) takes (128, 64, 128), (192, 64, 256), (64, 64, 128)")]
+    edit_json(build / "config.json", lambda d: d.update(kv_lora_rank=512, qk_rope_head_dim=64,
+                                                        qk_nope_head_dim=192, v_head_dim=256))
+    assert findings(build) == []  # GLM-5's real dims
+
+
+@pytest.mark.parametrize("build", ["compressed-tensors"], indirect=True)
+def test_vllm_dsa_index_dims_and_indexer_parts(build):
+    edit_json(build / "config.json", lambda d: d.update(
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_topk=32,
+        index_head_dim=32, index_n_heads=4))
+    got = findings(build)
+    assert got[:2] == [
+        ("error", "model", "config.json", "index_head_dim 32: vLLM's DSA indexer needs 128 (quant block 128, "
+         "DeepGEMM head_dim)"),
+        ("error", "model", "config.json", "index_n_heads 4: DeepGEMM's MQA logits take 16, 32, 64")]
+    parts = ", ".join(f"self_attn.indexer.{p}" for p in ("wq_b.weight", "wk.weight", "k_norm.weight",
+                                                         "k_norm.bias", "weights_proj.weight"))
+    assert got[2:] == [
+        ("error", "model", "model.layers.0.self_attn.indexer.wq_b.weight",
+         f"layer 0: vLLM builds a DSA indexer here but the build lacks {parts}"),
+        ("error", "model", "model.layers.1.self_attn.indexer.wq_b.weight",
+         f"layer 1: vLLM builds a DSA indexer here but the build lacks {parts}"),
+        ("error", "mtp", "model.layers.2.self_attn.indexer.wq_b.weight",
+         f"layer 2: vLLM builds a DSA indexer here but the build lacks {parts}")]
+
+
+@pytest.mark.parametrize("build", ["compressed-tensors"], indirect=True)
+def test_vllm_layer_types_moe_placement_and_extra_layers(build):
+    edit_json(build / "config.json", lambda d: d.update(
+        layer_types=["indexed_attention", "deepseek_sparse_attention"], first_k_dense_replace=0))
+    set_tensor(build, "model.layers.5.input_layernorm.weight", torch.ones(64, dtype=torch.bfloat16))
+    assert findings(build) == [
+        ("error", "model", "config.json", "layer_types has ['indexed_attention']: transformers 5.17 (vLLM "
+         "0.26) rejects it; 'deepseek_sparse_attention' is read by transformers 5.17 and 5.24"),
+        ("error", "model", "config.json", "vLLM places MoE by first_k_dense_replace 0 / moe_layer_freq 1 on "
+         "layers [0, 1]; the build has routed experts on layers [1]"),
+        ("error", "model", "model.layers.5", "layer(s) 5 beyond num_hidden_layers 2 + "
+         "num_nextn_predict_layers 1: vLLM has no parameters for them (KeyError at load)")]
+
+
+@pytest.mark.parametrize("build", ["compressed-tensors"], indirect=True)
+def test_vllm_mtp_moe_block_parts(build):
+    set_tensor(build, "model.layers.2.mlp.gate.weight", None)
+    assert findings(build) == [("error", "mtp", "model.layers.2.mlp.gate.weight",
+                                "MTP layer 2: vLLM builds an MoE block here but the build lacks mlp.gate.weight")]
+
+
+def test_vllm_nvfp4_expert_hidden_multiple_of_64(tmp_path):
+    """hidden 48: K of gate / up is a multiple of 16 (NVFP4 loads) but not of 64 (Marlin MoE)."""
+    g = torch.Generator().manual_seed(0)
+    t = {}
+    for e in range(8):
+        for m, shape in (("gate_proj", (32, 48)), ("up_proj", (32, 48)), ("down_proj", (48, 32))):
+            t.update(fp8_pair(f"model.layers.0.mlp.experts.{e}.{m}", torch.randn(*shape, generator=g) * 0.05))
+    t["model.layers.0.mlp.gate.weight"] = torch.randn(8, 48, generator=g).bfloat16()
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 1, "n_routed_experts": 8,
+           "quantization_config": BLOCK_FP8_QC}
+    src = write_checkpoint(tmp_path / "src", t, cfg, n_shards=1)
+    with pytest.raises(CheckFailed, match=r"K=48: vLLM's Marlin NVFP4 MoE needs hidden_size % 64"):
+        convert(src, tmp_path / "b", fmt="compressed-tensors", progress=False)  # the final check
+    assert findings(tmp_path / "b") == [
+        ("error", "align", "model.layers.0.mlp.experts.0.gate_proj", "K=48: vLLM's Marlin NVFP4 MoE needs "
+         "hidden_size % 64 (prepare_nvfp4_moe_layer_for_marlin)")]

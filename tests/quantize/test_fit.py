@@ -111,36 +111,37 @@ def test_reserve_and_verdict(tiny_fp8_llama):
 
 
 def test_glm_terms_replication_and_state(glm5_next_src):
-    """Tiny GLM-5.3-Flash release fixture: layers 0-2 KDA (4 heads x 32, conv 4), layer 3
-    MLA (kv_lora_rank 32, no RoPE) + indexer (key 32, kpool 16), layer 4 MTP."""
+    """Tiny GLM-5.3-Flash release fixture: layers 0-2 KDA (4 heads x 128, conv 4), layer 3
+    MLA (kv_lora_rank 512, no RoPE) + indexer (key 128, kpool 16), layer 4 MTP."""
     rep = plan_fit(glm5_next_src, nodes=2, kv_dtype="fp8", reserve=NO_RESERVE)
     roles = {w.what for w in rep.weights}
     assert {"replicated: mla_a_proj", "replicated: indexer", "replicated: kda_a_proj",
             "replicated: router", "replicated: vector", "split over TP2"} <= roles
     # MTP not loaded without a draft: named in a note, not in the weights
     assert any("MTP layer" in n for n in rep.notes) and rep.draft_bytes == 0
-    # fp8 MLA latent 32 e4m3 + 1 f32 scale; indexer (32 e4m3 + 4 B scale) per 16 tokens
-    assert rep.bytes_per_token == 36 + 36 / 16
-    # 3 KDA layers, 4 heads / 2 ranks: conv 3*2*32*3*2 B + f32 state 2*32*32*4 B;
-    # indexer in-progress pool: bf16 key + gate, 16 x 32 each
-    assert rep.bytes_per_seq == 3 * (1152 + 8192) + 2 * 2 * 16 * 32
+    # fp8 MLA latent 512 e4m3 + 4 f32 scales; indexer (128 e4m3 + 4 B scale) per 16 tokens
+    assert rep.bytes_per_token == 528 + 132 / 16
+    # 3 KDA layers, 4 heads / 2 ranks: conv 3*2*128*3*2 B + f32 state 2*128*128*4 B;
+    # indexer in-progress pool: bf16 key + gate, 16 x 128 each
+    assert rep.bytes_per_seq == 3 * (4608 + 131072) + 2 * 2 * 16 * 128
     assert rep.state_tokens == rep.bytes_per_seq / rep.bytes_per_token
 
 
 def test_speculation_arms_order_and_exact_costs(glm5_next_src):
     """none > mtp > external FP8 > external BF16, the seeds' order, for an external draft
     (a DFlash-like model with its own KV, 64 B/token per rank here) that costs more than the MTP
-    layer; each arm costs exactly its weights per rank plus its KV."""
+    layer (1.43 MB per rank and one 536.25 B/token MLA + indexer record, on the tiny fixture);
+    each arm costs exactly its weights per rank plus its KV."""
     build = build_tensors(glm5_next_src)
-    arms = {a: plan_fit(build, nodes=2, reserve=NO_RESERVE, node_mem_gib=0.01, draft=a)
-            for a in ("none", "mtp", "external:600KB,kv=64", "external:1200KB,kv=64")}
+    arms = {a: plan_fit(build, nodes=2, reserve=NO_RESERVE, node_mem_gib=0.05, draft=a)
+            for a in ("none", "mtp", "external:44MB,kv=64", "external:88MB,kv=64")}
     none, mtp, fp8, bf16 = arms.values()
     assert none.kv_pool_tokens > mtp.kv_pool_tokens > fp8.kv_pool_tokens > bf16.kv_pool_tokens
     assert none.kv_pool_bytes - mtp.kv_pool_bytes == mtp.draft_bytes > 0
-    assert mtp.bytes_per_token - none.bytes_per_token == 36 + 36 / 16  # one MLA + indexer layer
-    assert mtp.bytes_per_seq - none.bytes_per_seq == 2048  # the MTP indexer's in-progress pool
-    assert fp8.kv_pool_bytes - bf16.kv_pool_bytes == 600_000 // 2
-    assert none.kv_pool_bytes - fp8.kv_pool_bytes == fp8.draft_bytes == 300_000
+    assert mtp.bytes_per_token - none.bytes_per_token == 528 + 132 / 16  # one MLA + indexer layer
+    assert mtp.bytes_per_seq - none.bytes_per_seq == 8192  # the MTP indexer's in-progress pool
+    assert fp8.kv_pool_bytes - bf16.kv_pool_bytes == 44_000_000 // 2
+    assert none.kv_pool_bytes - fp8.kv_pool_bytes == fp8.draft_bytes == 22_000_000
     assert fp8.bytes_per_token == none.bytes_per_token + 64
 
 

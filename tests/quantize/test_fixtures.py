@@ -36,26 +36,26 @@ def test_glm5_next_tiny_layout(glm5_next_src):
         assert h[f"{kda}.{m}.weight"].dtype == "F8_E4M3", m
         n, k = h[f"{kda}.{m}.weight"].shape
         assert h[f"{kda}.{m}.weight_scale_inv"].shape == (-(-n // 128), -(-k // 128))
-    assert h[f"{kda}.b_proj.weight"].shape == (4, 192)  # [linear_num_heads, hidden]
-    assert h[f"{kda}.q_conv1d.weight"].shape == (128, 1, 4) and h[f"{kda}.q_conv1d.weight"].dtype == "F32"
+    assert h[f"{kda}.b_proj.weight"].shape == (4, 256)  # [linear_num_heads, hidden]
+    assert h[f"{kda}.q_conv1d.weight"].shape == (512, 1, 4) and h[f"{kda}.q_conv1d.weight"].dtype == "F32"
     assert h[f"{kda}.A_log"].dtype == "F32" and h[f"{kda}.dt_bias"].dtype == "F32"
-    assert h[f"{P}.0.hc_attn_fn"].dtype == "BF16" and h[f"{P}.0.hc_attn_fn"].shape == (8, 384)
+    assert h[f"{P}.0.hc_attn_fn"].dtype == "BF16" and h[f"{P}.0.hc_attn_fn"].shape == (8, 512)
     assert h[f"{P}.0.hc_ffn_base"].dtype == "F32"
     # MLA layer 3 + DSA indexer: weights_proj bf16 without scale, wk / wq_b FP8.
     idx = f"{P}.3.self_attn.indexer"
     assert h[f"{idx}.weights_proj.weight"].dtype == "BF16"
     assert f"{idx}.weights_proj.weight_scale_inv" not in h
     assert h[f"{idx}.wk.weight"].dtype == "F8_E4M3" and h[f"{idx}.wq_b.weight"].dtype == "F8_E4M3"
-    assert h[f"{P}.3.self_attn.kv_a_proj_with_mqa.weight"].shape == (32, 192)  # NoPE: kv_lora only
+    assert h[f"{P}.3.self_attn.kv_a_proj_with_mqa.weight"].shape == (512, 256)  # NoPE: kv_lora only
     # MoE: per-expert 2-D experts, router bf16, bias f32.
-    assert h[f"{P}.1.mlp.experts.7.down_proj.weight"].shape == (192, 64)
-    assert h[f"{P}.1.mlp.gate.weight"].dtype == "BF16" and h[f"{P}.1.mlp.gate.weight"].shape == (8, 192)
+    assert h[f"{P}.1.mlp.experts.7.down_proj.weight"].shape == (256, 128)
+    assert h[f"{P}.1.mlp.gate.weight"].dtype == "BF16" and h[f"{P}.1.mlp.gate.weight"].shape == (8, 256)
     assert h[f"{P}.1.mlp.gate.e_score_correction_bias"].dtype == "F32"
     # MTP layer at index num_hidden_layers (4): extras + a full MLA/MoE decoder layer.
     for s in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
         assert h[f"{P}.4.{s}"].dtype == "BF16"
-    assert h[f"{P}.4.eh_proj.weight"].shape == (192, 384) and h[f"{P}.4.eh_proj.weight"].dtype == "BF16"
-    assert h[f"{P}.4.shared_head.head.weight"].shape == (256, 192)
+    assert h[f"{P}.4.eh_proj.weight"].shape == (256, 512) and h[f"{P}.4.eh_proj.weight"].dtype == "BF16"
+    assert h[f"{P}.4.shared_head.head.weight"].shape == (256, 256)
     assert h[f"{P}.4.mlp.experts.0.gate_proj.weight"].dtype == "F8_E4M3"
     assert f"{P}.4.self_attn.q_a_proj.weight_scale_inv" in h
     assert not any(k.startswith(f"{P}.5.") for k in h)
@@ -86,7 +86,7 @@ def test_glm5_next_names_load_into_transformers(glm5_next_src, tmp_path):
     assert not info["missing_keys"]
     assert all(k.startswith(f"{P}.4.") for k in info["unexpected_keys"])
     w = model.model.language_model.layers[1].mlp.experts.gate_up_proj
-    torch.testing.assert_close(w[7, :64], state[f"{P}.1.mlp.experts.7.gate_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(w[7, :128], state[f"{P}.1.mlp.experts.7.gate_proj.weight"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("model_type,prefix,mtp", [("glm_moe_dsa", "model.layers", 3),
@@ -99,7 +99,7 @@ def test_other_release_layouts(tmp_path, model_type, prefix, mtp):
     assert h[f"{prefix}.1.mlp.gate.e_score_correction_bias"].dtype == "F32"
     assert h[f"{prefix}.{mtp}.eh_proj.weight"].dtype == "BF16"
     assert f"{prefix}.{mtp}.mlp.experts.7.down_proj.weight_scale_inv" in h
-    assert h[f"{prefix}.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (48, 192)  # kv_lora + rope
+    assert h[f"{prefix}.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (576, 256)  # kv_lora + rope
     if model_type == "glm_moe_dsa":
         assert h[f"{prefix}.0.self_attn.indexer.weights_proj.weight"].dtype == "BF16"
 

@@ -137,7 +137,8 @@ def moe_layer(tmp_path, n_layers=2, mtp=True):
         for m in ("enorm", "hnorm", "shared_head.norm"):
             t[f"{p}.{m}.weight"] = torch.ones(64).bfloat16()
     cfg = {"model_type": "deepseek_v3", "num_hidden_layers": n_layers, "num_nextn_predict_layers": int(mtp),
-           "n_routed_experts": 8, "quantization_config": BLOCK_FP8_QC}
+           "n_routed_experts": 8, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+           "quantization_config": BLOCK_FP8_QC}
     return write_checkpoint(tmp_path / f"moe{n_layers}", t, cfg, n_shards=3), t
 
 
