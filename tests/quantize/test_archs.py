@@ -20,7 +20,7 @@ def deepseek_shapes(n_layers=3, mtp=1, experts=4, dense=1, h=64):
                 shape = (h, 32) if m == "down_proj" else (32, h)
                 s[f"{p}.mlp.experts.{e}.{m}.weight"] = shape
                 s[f"{p}.mlp.experts.{e}.{m}.weight_scale_inv"] = (1, 1)
-    for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+    for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
         for k in range(mtp):
             s[f"model.layers.{n_layers + k}.{part}"] = (h,) if "norm" in part else (h, 2 * h)
     return s
