@@ -368,11 +368,20 @@ def _print(row: dict) -> None:
         print(f"  MTP acceptance {row['mtp_acceptance']:.3f}")
 
 
+def _emit(row: dict, as_json: bool) -> None:
+    """Print one build's row as soon as it is measured (a run killed later keeps its rows)."""
+    if as_json:
+        print(json.dumps(row, default=str), flush=True)
+    else:
+        _print(row)
+        sys.stdout.flush()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+")
     ap.add_argument("--source", help="FP8 source folder, loaded in vLLM as a second reference")
-    ap.add_argument("--json", action="store_true", help="print raw numbers as JSON")
+    ap.add_argument("--json", action="store_true", help="print raw numbers, one JSON object per build and line")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
@@ -388,6 +397,7 @@ def main(argv=None) -> int:
         if not (build / "config.json").exists():
             rows.append({"build": b, "engine": "vllm", "loaded": False, "error": "no config.json",
                          "kernels": {}, "modules": {}, "mtp_acceptance": None})
+            _emit(rows[-1], a.json)
             continue
         vocab = _vocab(build)
         prompts = make_prompts(a.prompts, a.prompt_len, vocab)
@@ -397,11 +407,7 @@ def main(argv=None) -> int:
         if a.source and vocab not in sources:
             sources[vocab] = run_vllm(a.source, prompts, vocab, **opts)
         rows.append(_row(b, r, ref, sources.get(vocab)))
-    if a.json:
-        print(json.dumps(rows, indent=2, default=str))
-    else:
-        for row in rows:
-            _print(row)
+        _emit(rows[-1], a.json)
     return 0 if all(r["loaded"] for r in rows) else 1
 
 
