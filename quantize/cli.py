@@ -39,13 +39,47 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
     from quantize.hub.download import REPO_REF, open_hub_source
 
     p = Path(src)
-    if p.is_dir() or (p.is_file() and p.suffix == ".json"):  # folder or header-only descriptor
+    if p.is_file() and p.suffix == ".json":
+        raise SparkQuantError(
+            f"--src {src} is a header-only descriptor: it has no weights to convert; use it with "
+            "`quantize plan`, `quantize recipe show` or `quantize preflight`, and convert the "
+            "folder that holds the shards")
+    if p.is_dir():
         return p, {}, None, Path(out or f"{p.resolve().name}-NVFP4")
     if REPO_REF.match(src) and not p.exists():
         out_dir = Path(out or f"{src.split('@')[0].split('/')[1]}-NVFP4")
         source, info, fetcher = open_hub_source(src, out_dir, keep_source=keep_source)
         return source, info, fetcher, out_dir
     raise SparkQuantError(f"--src {src}: no such folder")
+
+
+def _check_workers(workers: int, src) -> None:
+    """Refuse more --workers than CPU cores or source shards: each worker is a process that
+    converts a share of the shards, so more only wait (and a thousand start a thousand)."""
+    if workers == 1:
+        return
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers > cores:
+        raise SparkQuantError(f"--workers {workers}: this machine has {cores} CPU core(s); use at "
+                              f"most {cores} (each worker is one converting process)")
+    if isinstance(src, Path) and src.is_dir():
+        from formats.checkpoint import load_index
+
+        shards = len(set(load_index(src, check_files=False).values()))
+        if workers > shards:
+            raise SparkQuantError(f"--workers {workers}: {src} has {shards} shard(s); use at most "
+                                  f"{shards} (workers divide the shards among them)")
+
+
+def _folder(path: str, what: str = "build") -> Path:
+    """A folder argument that must exist."""
+    p = Path(path)
+    if not p.is_dir():
+        raise SparkQuantError(f"{path}: no such {what} folder" if not p.exists()
+                              else f"{path}: not a folder (give the {what} folder)")
+    return p
 
 
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
@@ -56,6 +90,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     init_from_env()  # under torchrun: one rank of several
     rank = current_world().rank
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source)
+    _check_workers(args.workers, src)
     if args.method == "gptq":
         from calibrate.gptq import convert_gptq
 
@@ -96,7 +131,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from quantize.inspect.verify import verify
 
-    report = verify(args.build, src=args.src, rows=args.rows)
+    report = verify(_folder(args.build), src=args.src, rows=args.rows)
     print(report.render())
     return 0 if report.ok else 1
 
@@ -124,7 +159,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib),
                       fmt=args.format, engine=args.engine)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
-    return 0
+    return 0 if report.fits else 1  # "does NOT fit" fails, as `quantize check` does
 
 
 def _cmd_recipe_show(args: argparse.Namespace) -> int:
@@ -161,7 +196,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from quantize.inspect.check import check_build, render_check
 
-    findings = check_build(args.build, engine=args.engine, tp=args.tp)
+    findings = check_build(_folder(args.build), engine=args.engine, tp=args.tp)
     for f in findings:
         print(render_check(f))
     errors = sum(f.level == "error" for f in findings)
@@ -185,7 +220,7 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     """--recipe / --format / --tp / --engine of the commands that plan without converting."""
     p.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
     p.add_argument("--format", default=FORMATS[0], choices=FORMATS)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=_int_at_least(1), default=1)
     p.add_argument("--engine", default="vllm", choices=ENGINES)
 
 
@@ -198,6 +233,21 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _float_in(low: float, high: float | None = None, low_open: bool = False):
+    """argparse ``type``: a number >= ``low`` (> with ``low_open``) and <= ``high``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (value > low if low_open else value >= low) or (high is not None and value > high) \
+                or value != value:
+            rule = (f"> {low:g}" if low_open else f">= {low:g}") + (f" and <= {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
     return parse
 
@@ -261,21 +311,21 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--scales", default="rtn", choices=SCALE_METHODS,
                    help="block scales: round-to-nearest, least-squares search, or the search "
                         "weighted by calibration activations (compressed-tensors format only)")
-    n.add_argument("--min-expert-tokens", type=int, default=None,
+    n.add_argument("--min-expert-tokens", type=_int_at_least(0), default=None,
                    help="experts with fewer calibration tokens use the layer max (default 8)")
     n.add_argument("--method", default="stream", choices=["stream", "gptq"],
                    help="stream: this converter; gptq: GPTQ through llm-compressor in its own "
                         "environment (models that fit in memory; see calibrate/gptq.py)")
     n.add_argument("--dataset", help="--method gptq: calibration set (as for calibrate)")
-    n.add_argument("--samples", type=int, default=128, help="--method gptq: calibration samples")
-    n.add_argument("--seq-len", type=int, default=512, help="--method gptq: tokens per sample")
+    n.add_argument("--samples", type=_int_at_least(1), default=128, help="--method gptq: calibration samples")
+    n.add_argument("--seq-len", type=_int_at_least(1), default=512, help="--method gptq: tokens per sample")
     n.add_argument("--gptq-python", help="--method gptq: python of the llm-compressor environment")
     n.add_argument("--format", default=FORMATS[0], choices=FORMATS,
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
     n.add_argument("--recipe", default="weight-only",
                    help="preset (weight-only, spark-mixed, experts-only) or TOML file")
-    n.add_argument("--tp", type=int, default=1,
+    n.add_argument("--tp", type=_int_at_least(1), default=1,
                    help="tensor-parallel size to serve with: tensors whose per-shard shape breaks "
                         "the engine's alignment rules stay high precision (listed)")
     n.add_argument("--engine", default="vllm", choices=ENGINES,
@@ -284,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--kernel", default="auto", choices=BACKENDS,
                    help="quantization kernel: inductor (CPU, compiled) or triton (CUDA); "
                         "reference is plain PyTorch; all write the same bytes")
-    n.add_argument("--workers", type=int, default=1,
+    n.add_argument("--workers", type=_int_at_least(1), default=1,
                    help="processes on this machine, shards divided among them (under torchrun "
                         "the ranks divide the shards instead)")
     n.add_argument("--resume", action="store_true",
@@ -302,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "check and (sampled) its source")
     v.add_argument("build", help="build folder written by quantize nvfp4")
     v.add_argument("--src", help="source folder to compare with (default: the manifest's)")
-    v.add_argument("--rows", type=int, default=4, help="rows sampled per tensor (default 4)")
+    v.add_argument("--rows", type=_int_at_least(1), default=4, help="rows sampled per tensor (default 4)")
     v.set_defaults(func=_cmd_verify)
 
     f = sub.add_parser("preflight", help="run every pre-flight check on a source (and --out) "
@@ -322,23 +372,24 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--engine", default="vllm", choices=ENGINES,
                     help="whose per-TP alignment rules the recipe is planned under")
     pl.add_argument("--nodes", type=int, default=1, choices=[1, 2, 4], help="GB10 nodes")
-    pl.add_argument("--tp", type=int, help="tensor-parallel size (default: --nodes)")
-    pl.add_argument("--mem-util", type=float, default=0.90, help="vLLM gpu_memory_utilization")
-    pl.add_argument("--node-mem-gib", type=float, default=121.7,
+    pl.add_argument("--tp", type=_int_at_least(1), help="tensor-parallel size (default: --nodes)")
+    pl.add_argument("--mem-util", type=_float_in(0, 1, low_open=True), default=0.90,
+                    help="vLLM gpu_memory_utilization")
+    pl.add_argument("--node-mem-gib", type=_float_in(0, low_open=True), default=121.7,
                     help="usable memory per node (GB10: 121.69 GiB as vLLM reports it)")
     pl.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES)
-    pl.add_argument("--max-model-len", type=int,
+    pl.add_argument("--max-model-len", type=_int_at_least(1),
                     help="longest request in tokens (default: max_position_embeddings)")
     pl.add_argument("--draft", default="none",
                     help="none | mtp | external:SIZE[,kv=BYTES] with SIZE the draft's weights "
                     "(split over TP) and BYTES its KV per token per rank (e.g. external:2GB,kv=10KiB)")
-    pl.add_argument("--answer-tokens", type=int, default=2048,
+    pl.add_argument("--answer-tokens", type=_int_at_least(0), default=2048,
                     help="tokens generated per session on top of its input")
-    pl.add_argument("--block-size", type=int, default=64, help="KV block in tokens")
-    pl.add_argument("--activation-gib", type=float, default=4.0, help="reserve: activation peak")
-    pl.add_argument("--non-torch-gib", type=float, default=1.0,
+    pl.add_argument("--block-size", type=_int_at_least(1), default=64, help="KV block in tokens")
+    pl.add_argument("--activation-gib", type=_float_in(0), default=4.0, help="reserve: activation peak")
+    pl.add_argument("--non-torch-gib", type=_float_in(0), default=1.0,
                     help="reserve: NCCL, CUDA context and other non-torch memory")
-    pl.add_argument("--graphs-gib", type=float, default=1.0, help="reserve: CUDA graphs")
+    pl.add_argument("--graphs-gib", type=_float_in(0), default=1.0, help="reserve: CUDA graphs")
     pl.add_argument("--json", action="store_true", help="print every term as JSON")
     pl.set_defaults(func=_cmd_plan)
 
@@ -352,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="will an engine load this build? (headers, configs, scales)")
     c.add_argument("build", help="build folder")
     c.add_argument("--engine", default="vllm", choices=ENGINES)
-    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--tp", type=_int_at_least(1), default=1)
     c.set_defaults(func=_cmd_check)
     u = sub.add_parser("upload", help="publish a finished build to the Hub (eval gate, model card)")
     u.add_argument("build", help="a finished `quantize nvfp4` output folder")
@@ -372,8 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--dataset", required=True,
                    help="gsm8k | arc | essays | random, a local jsonl/parquet/txt file or "
                         "folder, or a `datasets` name NAME[:CONFIG][@SPLIT]")
-    cb.add_argument("--samples", type=int, default=128)
-    cb.add_argument("--seq-len", type=int, default=512)
+    cb.add_argument("--samples", type=_int_at_least(1), default=128)
+    cb.add_argument("--seq-len", type=_int_at_least(1), default=512)
     cb.add_argument("--seed", type=int, default=0)
     cb.add_argument("--out", default="calibration", help="stats folder to write")
     cb.add_argument("--all-experts", action="store_true",
@@ -381,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--no-chat-template", action="store_true")
     cb.add_argument("--no-channels", action="store_true",
                    help="skip per-channel statistics (needed only by --scales mse-act)")
-    cb.add_argument("--min-expert-tokens", type=int, default=8,
+    cb.add_argument("--min-expert-tokens", type=_int_at_least(0), default=8,
                    help="report experts that received fewer tokens")
     cb.add_argument("--device", default="cpu")
     cb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -424,7 +475,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe is found here, not at interpreter exit
+        return rc
+    except BrokenPipeError:  # `quantize ... | head` closed the pipe: stop quietly, as `yes | head`
+        try:
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit flush
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
     except (SparkQuantError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

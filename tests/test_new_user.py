@@ -43,3 +43,102 @@ def test_tp3_mixed_experts_refused_before_any_byte(cmd, glm5_next_src, tmp_path,
     rc, stdout, err = run(capsys, *args, "--tp", "3")
     assert (rc, stdout, err) == (1, "", MOE_TP3)
     assert not out.exists()
+
+
+# ---- item 6: inputs that are refused, each with one line naming what is wrong ---------------
+
+def test_workers_capped_by_cores_and_shards(glm5_next_src, tmp_path, capsys, monkeypatch):
+    import os
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    rc, stdout, err = run(capsys, "nvfp4", "--src", glm5_next_src, "--out", out, "--workers", "1000")
+    assert (rc, err) == (1, "error: --workers 1000: this machine has 2 CPU core(s); use at most 2 "
+                            "(each worker is one converting process)\n")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    rc, stdout, err = run(capsys, "nvfp4", "--src", glm5_next_src, "--out", out, "--workers", "4")
+    assert (rc, err) == (1, f"error: --workers 4: {glm5_next_src} has 3 shard(s); use at most 3 "
+                            "(workers divide the shards among them)\n")
+    assert not out.exists()
+
+
+def test_descriptor_is_not_a_conversion_source(tmp_path, capsys):
+    from quantize.data.fixtures import write_release_descriptor
+
+    d = write_release_descriptor(tmp_path / "glm53.descriptor.json", "glm5_next")
+    rc, stdout, err = run(capsys, "nvfp4", "--src", d, "--out", tmp_path / "out")
+    assert (rc, err) == (1, f"error: --src {d} is a header-only descriptor: it has no weights to "
+                            "convert; use it with `quantize plan`, `quantize recipe show` or "
+                            "`quantize preflight`, and convert the folder that holds the shards\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--src", "demo", "--node-mem-gib", "-100"], "argument --node-mem-gib: must be > 0, got -100"),
+    (["plan", "--src", "demo", "--mem-util", "1.5"], "argument --mem-util: must be > 0 and <= 1, got 1.5"),
+    (["plan", "--src", "demo", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
+    (["plan", "--src", "demo", "--tp", "0"], "argument --tp: must be >= 1, got 0"),
+    (["plan", "--src", "demo", "--graphs-gib", "-1"], "argument --graphs-gib: must be >= 0, got -1"),
+    (["nvfp4", "--src", "demo", "--tp", "0"], "argument --tp: must be >= 1, got 0"),
+    (["nvfp4", "--src", "demo", "--workers", "0"], "argument --workers: must be >= 1, got 0"),
+    (["check", "x", "--tp", "-2"], "argument --tp: must be >= 1, got -2"),
+    (["verify", "x", "--rows", "-1"], "argument --rows: must be >= 1, got -1"),
+    (["recipe", "show", "--src", "demo", "--tp", "0"], "argument --tp: must be >= 1, got 0"),
+])
+def test_numbers_out_of_range_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    sub = " ".join(argv[:2]) if argv[0] == "recipe" else argv[0]
+    assert (e.value.code, err.splitlines()[-1]) == (2, f"quantize {sub}: error: {message}")
+
+
+def test_plan_that_does_not_fit_exits_1(tmp_path, capsys):
+    from quantize.data.fixtures import write_release_descriptor
+
+    d = write_release_descriptor(tmp_path / "glm53.descriptor.json", "glm5_next")
+    rc, stdout, err = run(capsys, "plan", "--src", d, "--nodes", "1")
+    assert rc == 1 and "max-model-len 1,048,576: does NOT fit, margin -69.21 GiB per rank" in stdout
+
+
+@pytest.mark.parametrize("cmd", ["verify", "check"])
+def test_missing_build_folder(cmd, tmp_path, capsys):
+    assert run(capsys, cmd, tmp_path / "nope") == (1, "", f"error: {tmp_path / 'nope'}: no such build folder\n")
+    (tmp_path / "f.txt").write_text("x")
+    assert run(capsys, cmd, tmp_path / "f.txt") == (
+        1, "", f"error: {tmp_path / 'f.txt'}: not a folder (give the build folder)\n")
+
+
+def test_recipe_errors_name_the_file(glm5_next_src, tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[rule]]\nmatch = "role:nosuch"\ntarget = "nvfp4"\n')
+    rc, stdout, err = run(capsys, "recipe", "show", "--src", glm5_next_src, "--recipe", bad)
+    assert (rc, err.split(" (valid: ")[0]) == (1, f"error: recipe {bad}: rule 0: rule 'role:nosuch': unknown role")
+    bad.write_text('[[rule]]\nmatch = "re:(("\ntarget = "nvfp4"\n')
+    rc, stdout, err = run(capsys, "recipe", "show", "--src", glm5_next_src, "--recipe", bad)
+    assert (rc, err) == (1, f"error: recipe {bad}: rule 0: recipe rule match 're:((' is not a valid "
+                            "regex (missing ), unterminated subpattern at position 1)\n")
+    bad.write_text('rule = "nvfp4"\n')
+    rc, stdout, err = run(capsys, "recipe", "show", "--src", glm5_next_src, "--recipe", bad)
+    assert (rc, err) == (1, f"error: recipe {bad}: 'rule' must be an array of tables ([[rule]] "
+                            "with match and target)\n")
+    rc, stdout, err = run(capsys, "recipe", "show", "--src", glm5_next_src, "--recipe", tmp_path / "no.toml")
+    assert (rc, err) == (1, f"error: recipe file {tmp_path / 'no.toml'}: no such file\n")
+
+
+def test_closed_pipe_is_quiet(glm5_next_src):
+    """`quantize recipe show ... | head`: the reader is gone before anything is written (its
+    end of the pipe is closed at once), so the first write fails; no 'Broken pipe' error."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    p = subprocess.Popen([sys.executable, "-m", "quantize.cli", "recipe", "show", "--src", str(glm5_next_src)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=repo, env=env)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    p.stderr.close()
+    assert (p.wait(), err) == (141, "")

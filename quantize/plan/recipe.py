@@ -95,7 +95,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             with a missing key, unknown target or bad regex.
     """
     p = Path(name_or_path)
-    if p.suffix == ".toml" and p.is_file():
+    if p.suffix == ".toml" and not p.is_file():
+        raise RecipeError(f"recipe file {p}: no such file", key=str(name_or_path))
+    if p.suffix == ".toml":
         text = p.read_text()
     elif str(name_or_path) in preset_names():
         text = resources.files("quantize.plan.recipes").joinpath(f"{name_or_path}.toml").read_text()
@@ -107,6 +109,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}", key=str(name_or_path)) from None
     rules = []
+    if not isinstance(data.get("rule", []), list):
+        raise RecipeError(f"recipe {name_or_path}: 'rule' must be an array of tables "
+                          "([[rule]] with match and target)", key="rule")
     for i, r in enumerate(data.get("rule", [])):
         if not isinstance(r, dict) or "match" not in r or "target" not in r:
             raise RecipeError(f"recipe {name_or_path}: rule {i} needs 'match' and 'target'",
@@ -115,6 +120,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             raise RecipeError(f"recipe {name_or_path}: rule {i} has unknown target "
                               f"{r['target']!r} (valid: {', '.join(t.value for t in Target)})",
                               key=f"rule[{i}].target")
-        rules.append(Rule(str(r["match"]), Target(r["target"])))
+        try:
+            rules.append(Rule(str(r["match"]), Target(r["target"])))
+        except RecipeError as e:  # the rule's own message, with the file it is in
+            raise RecipeError(f"recipe {name_or_path}: rule {i}: {e}", key=e.key) from None
     return Recipe(str(data.get("name", p.stem)), tuple(rules), str(data.get("description", "")),
                   hashlib.sha256(text.encode()).hexdigest())
