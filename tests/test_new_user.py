@@ -142,3 +142,52 @@ def test_closed_pipe_is_quiet(glm5_next_src):
     err = p.stderr.read().decode()
     p.stderr.close()
     assert (p.wait(), err) == (141, "")
+
+
+# ---- item 2: a missing optional package is one line naming its extra ------------------------
+
+@pytest.mark.parametrize("argv, module, extra", [
+    (["eval", "BUILD", "--suite", "kl,passkey"], "lm_eval", "eval"),
+    (["eval", "BUILD", "--suite", "kl"], "transformers", "demo"),
+    (["eval", "BUILD", "--suite", "passkey"], "matplotlib", "eval"),
+    (["calibrate", "--src", "SRC", "--dataset", "arc"], "pyarrow", "calibrate"),
+    (["plan", "--src", "demo"], "gguf", "demo"),
+])
+def test_missing_extra_is_named_before_any_work(argv, module, extra, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, module, None)  # find_spec -> None, import -> ModuleNotFoundError
+    argv = [str(tmp_path / "b") if a in ("BUILD", "SRC") else a for a in argv]
+    (tmp_path / "b").mkdir()
+    what = "--src demo" if "demo" in argv else f"quantize {argv[0]}"
+    assert run(capsys, *argv) == (1, "", f"error: {what} needs {module}, which is not installed: "
+                                         f"pip install 'spark-quant[{extra}]'\n")
+    assert list((tmp_path / "b").iterdir()) == []  # no partial report
+
+
+def test_module_missing_mid_command_names_its_extra(capsys, monkeypatch):
+    """The safety net in main: an import of an optional package that fails deep inside a command
+    (here: lm_eval's task folder looked up by eval.harness) prints one line, not a traceback."""
+    import sys
+
+    import quantize.cli as cli
+
+    def recipe_show(args):
+        from eval.harness import _stock_task_yaml
+
+        return _stock_task_yaml("gsm8k/gsm8k.yaml")
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    monkeypatch.setattr(cli, "_cmd_recipe_show", recipe_show)
+    assert run(capsys, "recipe", "show", "--src", "x") == (
+        1, "", "error: quantize recipe needs lm_eval, which is not installed: pip install 'spark-quant[eval]'\n")
+
+
+def test_calibrate_unknown_dataset_is_one_line(demo_src, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    rc, stdout, err = run(capsys, "calibrate", "--src", demo_src, "--dataset", "nosuch",
+                          "--samples", "2", "--seq-len", "8", "--out", tmp_path / "cal", "--quiet")
+    assert (rc, err) == (1, "error: --dataset 'nosuch' is not built in (gsm8k, arc, essays, random) "
+                            "nor a local path, and the `datasets` package is not installed\n")
