@@ -149,10 +149,25 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     elif info.get("offline"):
         print(f"  source: {info['repo']}@{info['commit']} from the local cache (offline)")
     if args.src == "demo" and not args.no_showcase:
-        from eval.showcase import showcase
+        why = _showcase_cannot_run(args.format, args.scheme)
+        if why:
+            print(f"showcase: not run for this {why}; the build is complete (quantize check {out})")
+        else:
+            from eval.showcase import showcase
 
-        print(showcase(src, out, trust_remote_code=args.trust_remote_code))
+            print(showcase(src, out, trust_remote_code=args.trust_remote_code))
     return 0
+
+
+def _showcase_cannot_run(fmt: str, scheme: str) -> str | None:
+    """Why the demo showcase (eval.showcase: transformers' compressed-tensors decompression,
+    checked against the dequantized weight-only reference) cannot load this build, or None."""
+    if fmt != "compressed-tensors":
+        return f"{fmt} build (the showcase loads compressed-tensors builds in transformers)"
+    if scheme != "w4a16":
+        return (f"{scheme} build (the showcase compares weight-only builds with their "
+                "dequantized reference)")
+    return None
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

@@ -191,3 +191,28 @@ def test_calibrate_unknown_dataset_is_one_line(demo_src, tmp_path, capsys, monke
                           "--samples", "2", "--seq-len", "8", "--out", tmp_path / "cal", "--quiet")
     assert (rc, err) == (1, "error: --dataset 'nosuch' is not built in (gsm8k, arc, essays, random) "
                             "nor a local path, and the `datasets` package is not installed\n")
+
+
+# ---- item 3: a complete demo build exits 0; the showcase says in one line where it cannot run
+
+@pytest.mark.parametrize("extra, what", [
+    (["--format", "modelopt"], "modelopt build (the showcase loads compressed-tensors builds in transformers)"),
+    (["--scheme", "w4a4", "--calibration", "STATS"],
+     "w4a4 build (the showcase compares weight-only builds with their dequantized reference)"),
+])
+def test_demo_showcase_says_where_it_cannot_run(extra, what, tmp_path, capsys, monkeypatch):
+    """The conversion itself is stubbed (its exit and output are other tests'); this is the
+    CLI's decision after a finished build."""
+    from types import SimpleNamespace
+
+    import eval.showcase
+    import quantize.convert.pipeline as pipeline
+    import quantize.data.demo as demo
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(demo, "build_demo", lambda: tmp_path / "demo-src")
+    monkeypatch.setattr(pipeline, "convert", lambda *a, **k: SimpleNamespace(render=lambda: "converted"))
+    monkeypatch.setattr(eval.showcase, "showcase", lambda *a, **k: pytest.fail("showcase ran"))
+    rc, stdout, err = run(capsys, "nvfp4", "--src", "demo", "--out", out, *extra)
+    assert (rc, stdout, err) == (0, f"converted\nshowcase: not run for this {what}; the build is "
+                                    f"complete (quantize check {out})\n", "")
