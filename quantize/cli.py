@@ -110,7 +110,7 @@ def _folder(path: str, what: str = "build") -> Path:
 
 
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
-    from formats.manifest import resume_hint
+    from formats.manifest import MANIFEST_NAME, resume_hint
     from quantize.convert.parallel import current_world, init_from_env
     from quantize.convert.pipeline import convert
 
@@ -118,6 +118,12 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     rank = current_world().rank
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source)
     _check_workers(args.workers, src)
+    if args.resume and (out / MANIFEST_NAME).is_file():  # finished: nothing to resume, keep it
+        if not rank:
+            print(f"{out} is already complete (it has its {MANIFEST_NAME}): nothing to resume, "
+                  f"the build is kept as it is; `quantize verify {out}` checks it, and a new "
+                  "build needs an empty --out")
+        return 0
     if args.method == "gptq":
         from calibrate.gptq import convert_gptq
 

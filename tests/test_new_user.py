@@ -216,3 +216,17 @@ def test_demo_showcase_says_where_it_cannot_run(extra, what, tmp_path, capsys, m
     rc, stdout, err = run(capsys, "nvfp4", "--src", "demo", "--out", out, *extra)
     assert (rc, stdout, err) == (0, f"converted\nshowcase: not run for this {what}; the build is "
                                     f"complete (quantize check {out})\n", "")
+
+
+# ---- item 7: --resume on a finished build keeps it -------------------------------------------
+
+def test_resume_on_a_finished_build_keeps_it(tiny_fp8_llama, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", out, "--device", "cpu", "--quiet")[0] == 0
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+    rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", out, "--device", "cpu",
+                          "--quiet", "--resume")
+    assert (rc, stdout, err) == (0, f"{out} is already complete (it has its spark_quant_manifest.json): "
+                                    "nothing to resume, the build is kept as it is; `quantize verify "
+                                    f"{out}` checks it, and a new build needs an empty --out\n", "")
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
