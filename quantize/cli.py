@@ -207,6 +207,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib),
                       fmt=args.format, engine=args.engine)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
+    if args.out:
+        from quantize.fit import write_plan
+
+        print(f"wrote {write_plan(report, args.out)} (the fit table of the build's model card)")
     return 0 if report.fits else 1  # "does NOT fit" fails, as `quantize check` does
 
 
@@ -445,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reserve: NCCL, CUDA context and other non-torch memory")
     pl.add_argument("--graphs-gib", type=_float_in(0), default=1.0, help="reserve: CUDA graphs")
     pl.add_argument("--json", action="store_true", help="print every term as JSON")
+    pl.add_argument("--out", help="finished build folder: add this plan to its plan.json, the "
+                    "fit table its model card shows")
     pl.set_defaults(func=_cmd_plan)
 
     r = sub.add_parser("recipe", help="inspect recipes").add_subparsers(dest="recipe_cmd", required=True)

@@ -230,3 +230,43 @@ def test_resume_on_a_finished_build_keeps_it(tiny_fp8_llama, tmp_path, capsys):
                                     "nothing to resume, the build is kept as it is; `quantize verify "
                                     f"{out}` checks it, and a new build needs an empty --out\n", "")
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
+
+
+# ---- item 8: what a published card says -------------------------------------------------------
+
+def test_modelopt_card_license_and_plan_json(tiny_fp8_llama, tmp_path, capsys):
+    import json
+
+    from quantize.convert.pipeline import convert
+    from quantize.hub.card import render_card
+
+    build = tmp_path / "mo"
+    convert(tiny_fp8_llama, build, fmt="modelopt", progress=False, device="cpu",
+            source_info={"repo": "org/tiny-fp8", "license": "apache-2.0"})
+    rc, stdout, err = run(capsys, "plan", "--src", build, "--out", build, "--node-mem-gib", "8",
+                          "--max-model-len", "4096", "--activation-gib", "0", "--non-torch-gib", "0",
+                          "--graphs-gib", "0")
+    assert (rc, stdout.splitlines()[-1], err) == (
+        0, f"wrote {build / 'plan.json'} (the fit table of the build's model card)", "")
+    fit = json.loads((build / "plan.json").read_text())["fit"]
+    assert [(r["nodes"], r["TP"], r["max-model-len"], r["fits"]) for r in fit] == [(1, 1, 4096, "yes")]
+    assert list(fit[0]) == ["nodes", "TP", "KV dtype", "draft", "max-model-len", "weights GiB/rank",
+                            "KV pool tokens", "sessions 128k", "sessions 256k", "sessions 512k",
+                            "sessions 1M", "fits"]
+    card = render_card(build, "me/tiny-nvfp4", license="mit")
+    assert "modelopt" in card.data.tags and "compressed-tensors" not in card.data.tags
+    text = card.content
+    assert ("(ModelOpt NVFP4, `hf_quant_config.json`, loaded by vLLM, SGLang and TensorRT-LLM); "
+            "activations\nstay 16-bit.") in text
+    assert "- License: `mit`, as given to `quantize upload --license`." in text
+    assert "| nodes | TP | KV dtype |" in text and "No fit plan was attached" not in text
+    card = render_card(build, "me/tiny-nvfp4")
+    assert "- License: `apache-2.0`, carried from the source model." in card.content
+
+
+def test_plan_out_needs_a_finished_build(tiny_fp8_llama, capsys):
+    rc, stdout, err = run(capsys, "plan", "--src", tiny_fp8_llama, "--out", tiny_fp8_llama,
+                          "--node-mem-gib", "8", "--max-model-len", "4096")
+    assert (rc, err) == (1, f"error: --out {tiny_fp8_llama}: not a finished build (no "
+                            "spark_quant_manifest.json); the fit table is written into the build "
+                            "folder its card is made from\n")
