@@ -321,6 +321,31 @@ def _int_list(low: int, high: int | None = None):
     return parse
 
 
+def _eval_baseline(args: argparse.Namespace) -> str | None:
+    """--baseline of eval: ``demo`` is the demo source (as ``--src demo``); without one (and
+    without --baseline-endpoint) the source folder the build's manifest records, when it is
+    still there (said in one line)."""
+    import json
+
+    from formats.manifest import MANIFEST_NAME
+
+    if args.baseline == "demo":
+        from quantize.data.demo import build_demo
+
+        _need("--baseline demo", "gguf", "transformers")
+        return str(build_demo())
+    if args.baseline is not None or args.baseline_endpoint:
+        return args.baseline
+    try:
+        path = json.loads((Path(args.build) / MANIFEST_NAME).read_text())["source"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+        return None
+    print(f"baseline: {path} (the source recorded in {Path(args.build) / MANIFEST_NAME})")
+    return path
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from eval.report import gate_lines
     from eval.suite import EvalOptions, run_eval
@@ -337,7 +362,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         passkey_depths=args.passkey_depths or EvalOptions.passkey_depths,
         passkey_trials=args.passkey_trials, kv_dtypes=tuple(args.kv_dtypes.split(",")),
         kv_scales=args.kv_scales, kv_gsm8k_limit=args.kv_gsm8k_limit)
-    report = run_eval(args.build, args.baseline, opts, baseline_endpoint=args.baseline_endpoint)
+    report = run_eval(args.build, _eval_baseline(args), opts, baseline_endpoint=args.baseline_endpoint)
     out = Path(args.out) if args.out else Path(args.build) / "eval"
     print(f"report: {out / 'report.json'}, {out / 'report.md'}")
     for line in gate_lines(report):

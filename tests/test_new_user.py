@@ -270,3 +270,31 @@ def test_plan_out_needs_a_finished_build(tiny_fp8_llama, capsys):
     assert (rc, err) == (1, f"error: --out {tiny_fp8_llama}: not a finished build (no "
                             "spark_quant_manifest.json); the fit table is written into the build "
                             "folder its card is made from\n")
+
+
+# ---- item 9: eval's baseline: `demo`, or the source the manifest records ---------------------
+
+def test_eval_baseline_demo_and_from_manifest(tiny_fp8_llama, tmp_path, capsys, monkeypatch):
+    """run_eval is stubbed: this is which baseline the CLI hands it, and the line it prints."""
+    import eval.suite
+    import quantize.data.demo as demo
+    from quantize.convert.pipeline import convert
+
+    build = tmp_path / "b"
+    convert(tiny_fp8_llama, build, progress=False, device="cpu")
+    got = []
+
+    def run_eval(build, baseline, opts, baseline_endpoint=None):
+        got.append(baseline)
+        return {"gate": {"passed": True, "release": True, "checks": []}, "scope": {}}
+
+    monkeypatch.setattr(eval.suite, "run_eval", run_eval)
+    monkeypatch.setattr(demo, "build_demo", lambda: tmp_path / "demo-src")
+    rc, stdout, err = run(capsys, "eval", build, "--suite", "kl")
+    assert (rc, stdout.splitlines()[0]) == (
+        0, f"baseline: {tiny_fp8_llama.resolve()} (the source recorded in {build / 'spark_quant_manifest.json'})")
+    assert run(capsys, "eval", build, "--suite", "kl", "--baseline", "demo")[0] == 0
+    (tiny_fp8_llama / "config.json").unlink()  # the source is gone: no baseline, no line
+    rc, stdout, err = run(capsys, "eval", build, "--suite", "kl")
+    assert (rc, stdout.splitlines()[0]) == (0, f"report: {build / 'eval' / 'report.json'}, {build / 'eval' / 'report.md'}")
+    assert got == [str(tiny_fp8_llama.resolve()), str(tmp_path / "demo-src"), None]
