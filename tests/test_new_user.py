@@ -16,7 +16,7 @@ def run(capsys, *args) -> tuple[int, str, str]:
 # ---- item 4: the routed-expert scheme rule of `quantize check`, applied to the plan ----------
 
 MOE_TP3 = (
-    "error: recipe weight-only at TP=3 mixes ['nvfp4', 'unquantized'] in the routed experts of "
+    "error: recipe spark-mixed at TP=3 mixes ['nvfp4', 'unquantized'] in the routed experts of "
     "model.language_model.layers.1.mlp.experts (and 3 more MoE layer(s)): "
     "model.language_model.layers.1.mlp.experts.0.down_proj.weight -> bf16 (K=64 does not split "
     "over TP=3); engines load one scheme per MoE layer, so this build would fail its final "
@@ -298,3 +298,37 @@ def test_eval_baseline_demo_and_from_manifest(tiny_fp8_llama, tmp_path, capsys, 
     rc, stdout, err = run(capsys, "eval", build, "--suite", "kl")
     assert (rc, stdout.splitlines()[0]) == (0, f"report: {build / 'eval' / 'report.json'}, {build / 'eval' / 'report.md'}")
     assert got == [str(tiny_fp8_llama.resolve()), str(tmp_path / "demo-src"), None]
+
+
+# ---- item 9: the recipe recommended for the model is its default; the W4A4 preset ------------
+
+def test_glm5_next_default_recipe_is_spark_mixed(glm5_next_src, tiny_fp8_llama, capsys):
+    rc, stdout, err = run(capsys, "recipe", "show", "--src", glm5_next_src, "--summary")
+    assert (rc, stdout.splitlines()[0].split(",")[0]) == (0, "recipe spark-mixed")
+    rc, stdout, err = run(capsys, "recipe", "show", "--src", tiny_fp8_llama, "--summary")
+    assert (rc, stdout.splitlines()[0].split(",")[0]) == (0, "recipe weight-only")
+
+
+def test_spark_mixed_w4a4_keeps_mtp_in_block_fp8(glm5_next_src):
+    from formats.sources import open_source
+    from quantize import archs
+    from quantize.plan.recipe import load_recipe
+    from quantize.plan.tensors import plan_tensors
+
+    source = open_source(glm5_next_src)
+    mtp = archs.mtp_layer_indices(source.config)
+    d = plan_tensors(source, load_recipe("spark-mixed-w4a4"))
+    base = plan_tensors(source, load_recipe("spark-mixed"))
+    in_mtp = {n for n in d if any(f".layers.{i}." in n for i in mtp)}
+    assert mtp == [4] and len(in_mtp) > 0
+    # every MTP Linear spark-mixed makes NVFP4 is block FP8 here; nothing else differs
+    changed = {n for n in d if d[n].target != base[n].target}
+    assert changed == {n for n in in_mtp if base[n].target.value == "nvfp4"} and len(changed) == 27
+    assert {d[n].target.value for n in changed} == {"fp8-block"}
+
+
+def test_spark_mixed_w4a4_build_passes_its_final_check(glm5_next_src, tmp_path, capsys):
+    rc, stdout, err = run(capsys, "nvfp4", "--src", glm5_next_src, "--out", tmp_path / "b",
+                          "--recipe", "spark-mixed-w4a4", "--device", "cpu", "--quiet")
+    assert (rc, err) == (0, "")
+    assert run(capsys, "check", tmp_path / "b")[:2] == (0, f"{tmp_path / 'b'}: 0 error(s), 0 warning(s) for vllm TP=1\n")

@@ -19,7 +19,7 @@ from pathlib import Path
 from quantize.archs import ROLES
 from quantize.base.errors import RecipeError
 
-__all__ = ["Target", "Rule", "Recipe", "load_recipe", "preset_names"]
+__all__ = ["DEFAULT_RECIPE", "MODEL_RECIPES", "default_recipe", "Target", "Rule", "Recipe", "load_recipe", "preset_names"]
 
 
 class Target(str, Enum):
@@ -79,6 +79,19 @@ class Recipe:
             if rule.matches(module, roles):
                 return rule.target
         return Target.KEEP
+
+
+DEFAULT_RECIPE = "weight-only"
+MODEL_RECIPES = {"glm5_next": "spark-mixed"}
+"""The preset recommended for a ``model_type`` (its ``--recipe`` default): GLM-5.3-Flash keeps
+MLA and KDA in BF16, which vLLM's glm5next model builds without a quant_config
+(``formats.engines.MODEL_RULES``), so weight-only would draw those warnings on every build."""
+
+
+def default_recipe(config: dict) -> str:
+    """The ``--recipe`` default for a source: :data:`MODEL_RECIPES` by its top-level
+    ``model_type``, else :data:`DEFAULT_RECIPE`."""
+    return MODEL_RECIPES.get(str(config.get("model_type")), DEFAULT_RECIPE)
 
 
 def preset_names() -> list[str]:
