@@ -332,3 +332,41 @@ def test_spark_mixed_w4a4_build_passes_its_final_check(glm5_next_src, tmp_path, 
                           "--recipe", "spark-mixed-w4a4", "--device", "cpu", "--quiet")
     assert (rc, err) == (0, "")
     assert run(capsys, "check", tmp_path / "b")[:2] == (0, f"{tmp_path / 'b'}: 0 error(s), 0 warning(s) for vllm TP=1\n")
+
+
+# ---- item 5: wrong configs are refused before any work, naming the key ----------------------
+
+def _glm_with(tmp_path, glm5_next_src, edit):
+    import json
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(glm5_next_src, src)
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+def test_unknown_model_type_with_a_dsa_indexer_is_refused(glm5_next_src, tmp_path, capsys):
+    def edit(cfg):
+        cfg["model_type"], cfg["text_config"]["model_type"] = "glm9_unknown", "glm9_unknown_text"
+
+    src = _glm_with(tmp_path, glm5_next_src, edit)
+    rc, stdout, err = run(capsys, "nvfp4", "--src", src, "--out", tmp_path / "out", "--quiet")
+    assert (rc, err) == (1, "error: 1 problem(s) in src:\nerror: [config] config.json model_type "
+                            "'glm9_unknown' is not one the architecture map knows for a DSA indexer "
+                            "(glm5_next, glm5_next_text, glm_moe_dsa, deepseek_v32), but "
+                            "model.language_model.layers.3.self_attn.indexer.weights_proj is a DSA "
+                            "indexer weights_proj: it would be planned as a plain Linear instead of "
+                            "staying high precision; set model_type to the architecture the "
+                            "checkpoint is\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["abc", 2.5, -1, True])
+def test_config_value_of_the_wrong_type_names_its_key(value, glm5_next_src, tmp_path, capsys):
+    src = _glm_with(tmp_path, glm5_next_src, lambda cfg: cfg["text_config"].update(num_hidden_layers=value))
+    rc, stdout, err = run(capsys, "preflight", src)
+    assert rc == 1 and (f"error: [config] config.json text_config.num_hidden_layers is {value!r}: it "
+                        "must be a non-negative integer") in stdout.splitlines()
