@@ -374,6 +374,20 @@ def test_read_only_output_refused_up_front(tmp_path, tiny_fp8_llama, tmpfs, caps
     assert nvfp4(capsys, tiny_fp8_llama, fs / "out")[0] == 0
 
 
+def test_free_space_counts_carried_files(tmp_path, tiny_fp8_llama, tmpfs, capsys):
+    """A disk that holds the tensors (a 1 MiB tmpfs does, test_output_turns_read_only...) but
+    not a 2 MiB tokenizer.json carried beside them is refused up front (issue 19 item 7)."""
+    fs = tmpfs("tok", 1 << 20)
+    (tiny_fp8_llama / "tokenizer.json").write_bytes(b"{" + b" " * (2 << 20) + b"}")
+    rc, err = nvfp4(capsys, tiny_fp8_llama, fs / "out")
+    line = err.splitlines()[1]
+    assert rc == 1 and line.startswith(
+        f"error: [output] not enough free disk on the filesystem of {fs}: need 2.") and line.endswith(
+        "free 1.0 MiB. Free some space, choose another --out, or point HF_HOME (the download "
+        "cache) at another disk."), err
+    assert not (fs / "out").exists()
+
+
 def test_too_little_space_refused_up_front(tmp_path, tiny_fp8_llama, tmpfs, capsys):
     fs = tmpfs("small", 64 << 10)
     rc, err = nvfp4(capsys, tiny_fp8_llama, fs / "out")

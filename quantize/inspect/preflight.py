@@ -251,8 +251,12 @@ def check_output(out: Path, src: Path, resume: bool, source: Source | None = Non
         return f
     if source is not None and predicted is not None:
         done = {s for s in source.shards if (out / s).is_file()}
+        # the non-weight files carried into the build (tokenizer.json alone can be tens of MiB)
+        carried = (sum((src / rel).stat().st_size for rel in carry_plan(src, set())[0])
+                   if Path(src).is_dir() else 0)
         try:
-            check_free_disk(out, predicted_output_bytes(source, predicted, done), source.files)
+            check_free_disk(out, predicted_output_bytes(source, predicted, done) + carried,
+                            source.files)
         except OutputError as e:
             err(str(e))
     return f
