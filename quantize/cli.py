@@ -386,7 +386,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         out=args.out, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
         kl_tokens=args.kl_tokens, passkey_lengths=args.passkey_lengths,
         passkey_depths=args.passkey_depths or EvalOptions.passkey_depths,
-        passkey_trials=args.passkey_trials, kv_dtypes=tuple(args.kv_dtypes.split(",")),
+        passkey_trials=args.passkey_trials or (1 if args.limit else EvalOptions.passkey_trials),
+        kv_dtypes=tuple(args.kv_dtypes.split(",")),
         kv_scales=args.kv_scales, kv_gsm8k_limit=args.kv_gsm8k_limit)
     report = run_eval(args.build, _eval_baseline(args), opts, baseline_endpoint=args.baseline_endpoint)
     out = Path(args.out) if args.out else Path(args.build) / "eval"
@@ -554,7 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--suite", default="kl,gsm8k,passkey",
                    help="comma list of kl, gsm8k, mc, passkey, kv-parity (default kl,gsm8k,passkey)")
     e.add_argument("--limit", type=_int_at_least(1),
-                   help="first N GSM8K / ARC problems (default all; a limited run is not a release gate)")
+                   help="first N GSM8K / ARC problems, and passkey at 1024 tokens only (unless "
+                        "--passkey-lengths) with one trial per depth (default all; a limited run "
+                        "is not a release gate)")
     e.add_argument("--device", default="auto", help="cpu, cuda or auto (in-process models)")
     e.add_argument("--endpoint", help="OpenAI-compatible server serving the build (vLLM, SGLang, "
                                       "transformers serve), e.g. http://127.0.0.1:8000")
@@ -569,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of prompt lengths in tokens (within the model's context)")
     e.add_argument("--passkey-depths", type=_int_list(0, 100),
                    help="comma list of depths in percent (default 0,25,50,75,100)")
-    e.add_argument("--passkey-trials", type=_int_at_least(1), default=3)
+    e.add_argument("--passkey-trials", type=_int_at_least(1),
+                   help="trials per length and depth (default 3; 1 with --limit)")
     e.add_argument("--kv-dtypes", default="bf16,fp8,nvfp4")
     e.add_argument("--kv-scales", default="auto", choices=["auto", "calibrate"],
                    help="auto: the build's k/v scales, else 1.0 as engines default")

@@ -370,3 +370,26 @@ def test_config_value_of_the_wrong_type_names_its_key(value, glm5_next_src, tmp_
     rc, stdout, err = run(capsys, "preflight", src)
     assert rc == 1 and (f"error: [config] config.json text_config.num_hidden_layers is {value!r}: it "
                         "must be a non-negative integer") in stdout.splitlines()
+
+
+# ---- item 7: --limit bounds the passkey grid too ----------------------------------------------
+
+def test_limit_bounds_passkey(tmp_path, capsys, monkeypatch):
+    import eval.suite
+    from eval.suite import EvalOptions, _passkey_lengths
+
+    cfg = {"max_position_embeddings": 8192}
+    assert _passkey_lengths(cfg, EvalOptions()) == [1024, 2048, 4096, 8128]
+    assert _passkey_lengths(cfg, EvalOptions(limit=5)) == [1024]
+    assert _passkey_lengths(cfg, EvalOptions(limit=5, passkey_lengths=(2048, 4096))) == [2048, 4096]
+    got = []
+
+    def run_eval(build, baseline, opts, baseline_endpoint=None):
+        got.append((opts.limit, opts.passkey_trials))
+        return {"gate": {"passed": True, "release": True, "checks": []}, "scope": {}}
+
+    monkeypatch.setattr(eval.suite, "run_eval", run_eval)
+    (tmp_path / "b").mkdir()
+    for extra in (["--limit", "5"], [], ["--limit", "5", "--passkey-trials", "2"]):
+        assert run(capsys, "eval", tmp_path / "b", "--suite", "passkey", *extra)[0] == 0
+    assert got == [(5, 1), (None, 3), (5, 2)]
