@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from quantize.base.errors import DataError
+
 __all__ = ["BUILTIN", "CalibSet", "load_records", "build_calib_set"]
 
 BUILTIN = ("gsm8k", "arc", "essays", "random")
@@ -137,7 +139,7 @@ def _datasets_rows(name: str) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise RuntimeError(f"--dataset {name!r} is not built in ({', '.join(BUILTIN)}) nor a local "
+        raise DataError(f"--dataset {name!r} is not built in ({', '.join(BUILTIN)}) nor a local "
                            "path, and the `datasets` package is not installed") from None
     split = "train"
     if "@" in name:
@@ -146,7 +148,7 @@ def _datasets_rows(name: str) -> list[dict]:
     try:
         ds = datasets.load_dataset(path, config or None, split=split)
     except Exception as e:  # offline, unknown name, ...: datasets raises many types
-        raise RuntimeError(f"cannot load dataset {name!r} split {split!r} through `datasets` "
+        raise DataError(f"cannot load dataset {name!r} split {split!r} through `datasets` "
                            f"(is the hub reachable?): {e}") from None
     return [_normalise(r, f"{name}:{i}") for i, r in enumerate(ds)]
 
@@ -157,8 +159,8 @@ def load_records(dataset: str) -> list[dict]:
     ``random`` has no rows (it is generated in :func:`build_calib_set`): returns ``[]``.
 
     Raises:
-        RuntimeError: a built-in set's package is missing (naming the install command), or a
-            ``datasets`` name cannot be loaded.
+        DataError (a RuntimeError): a built-in set's package is missing (naming the install
+            command), or a ``datasets`` name cannot be loaded.
         ValueError: a local file of an unknown type or with rows lacking every known field.
     """
     if dataset == "gsm8k":

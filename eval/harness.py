@@ -66,6 +66,8 @@ def lm_eval_version() -> str:
 
 def _stock_task_yaml(rel: str) -> Path:
     spec = importlib.util.find_spec("lm_eval")
+    if spec is None:  # not installed: the CLI names the extra (quantize.cli)
+        raise ModuleNotFoundError("No module named 'lm_eval'", name="lm_eval")
     path = Path(list(spec.submodule_search_locations)[0]) / "tasks" / rel
     if not path.is_file():
         raise RuntimeError(f"lm-eval task file {path} not found (lm-eval {lm_eval_version()})")

@@ -177,7 +177,8 @@ def _served_model(url: str) -> str:
 
 
 def _passkey_lengths(model_config: dict, opts: EvalOptions) -> list[int]:
-    """``opts.passkey_lengths``, or 1k, 2k, 4k, ... up to the context (at most 32k).
+    """``opts.passkey_lengths``, or 1k, 2k, 4k, ... up to the context (at most 32k); with
+    ``opts.limit`` (a bounded run) only the first of those.
 
     Raises:
         ValueError: a length plus the answer does not fit the model's context
@@ -200,7 +201,7 @@ def _passkey_lengths(model_config: dict, opts: EvalOptions) -> list[int]:
     if not out:
         raise ValueError(f"the model's context ({ctx} tokens) is below the default passkey lengths "
                          "(1024 and up); give --passkey-lengths")
-    return out
+    return out[:1] if opts.limit is not None else out  # --limit bounds every suite (docs/eval.md)
 
 
 def _model_folder(path: str | Path, what: str) -> Path:

@@ -5,9 +5,12 @@ Used by the planner (keep a tensor in higher precision when its per-TP-shard sha
 a rule) and by ``quantize check``.
 """
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ENGINES", "AlignRule", "ALIGN_RULES", "align_violations", "FormatSupport",
+__all__ = ["ENGINES", "AlignRule", "ALIGN_RULES", "align_violations", "mixed_moe_schemes",
+           "MOE_ONE_SCHEME", "FormatSupport",
            "FORMAT_SUPPORT", "MODEL_RULES", "ModelRule", "MODELOPT_REQUIRED_KEYS",
            "VLLM_MLA_MODEL_TYPES", "VLLM_MLA_HEAD_SIZES", "VLLM_MLA_HEAD_SIZES_UNCONFIRMED",
            "VLLM_MLA_PREFILL_DIMS", "VLLM_DSA_INDEX_HEAD_DIM", "VLLM_DSA_INDEX_HEADS", "VLLM_DSA_ROPE_DIM",
@@ -78,6 +81,31 @@ def align_violations(engine: str, target: str, shape: tuple[int, int], split: st
             where = f"{r.dim.upper()}/TP={full}/{tp}={per}" if is_split else f"{r.dim.upper()}={per}"
             out.append(f"{where} is not a multiple of {r.multiple} for {target} on {engine} ({r.source})")
     return out
+
+
+_ROUTED_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.[^.]+$")
+MOE_ONE_SCHEME = "engines load one scheme per MoE layer"
+
+
+def mixed_moe_schemes(kinds: Mapping[str, str]) -> dict[str, list[str]]:
+    """Routed-expert layers whose experts are not all in one scheme (vLLM fused_moe "All MoE
+    projections need to have same quantization scheme"). The one statement of this rule:
+    ``quantize check`` applies it to a build's tensors, the planner to its decisions before
+    the first byte is written.
+
+    Args:
+        kinds: module name (``...experts.<i>.<proj>``) -> what the engine sees: ``nvfp4``,
+            ``fp8-block``, ``mxfp8`` or ``unquantized``. Other modules are ignored.
+
+    Returns:
+        ``{experts prefix: sorted kinds}`` for each layer with more than one kind.
+    """
+    layers: dict[str, set[str]] = {}
+    for mod, kind in kinds.items():
+        m = _ROUTED_EXPERT.match(mod)
+        if m:
+            layers.setdefault(m.group(1), set()).add(kind)
+    return {p: sorted(k) for p, k in sorted(layers.items()) if len(k) > 1}
 
 
 @dataclass(frozen=True)

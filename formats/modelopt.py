@@ -76,7 +76,7 @@ def nvfp4_weight_scalar(amax: torch.Tensor | float) -> torch.Tensor:
 
 def nvfp4_input_scalar(amax_in: torch.Tensor | float) -> torch.Tensor:
     """W4A4 input scalar from the calibrated input amax: ``input_scale = amax_in / 2688``,
-    dequant direction, float32 0-dim (formats_spec.md B.2.1; ModelOpt
+    dequant direction, float32 0-dim (docs/formats.md §B.2.1; ModelOpt
     ``NVFP4QTensor.get_activation_scaling_factor``)."""
     return input_scale_from_amax(amax_in)
 

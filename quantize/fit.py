@@ -47,7 +47,9 @@ from quantize.archs.kvcache import KVDtype, KVModel, kv_model
 from quantize.plan.recipe import load_recipe
 from quantize.plan.tensors import plan_tensors, predict_outputs
 
-__all__ = ["GIB", "SESSION_INPUTS", "Reserve", "Draft", "parse_draft", "parse_size",
+PLAN_NAME = "plan.json"  # the fit table in a build folder, read by its model card
+
+__all__ = ["GIB", "PLAN_NAME", "write_plan", "SESSION_INPUTS", "Reserve", "Draft", "parse_draft", "parse_size",
            "BuildTensors", "build_tensors", "sessions", "WeightTerm", "FitReport", "plan_fit"]
 
 GIB = 2**30
@@ -193,6 +195,16 @@ class FitReport:
         d["weights_per_node_bytes"] = self.weights_bytes * self.ranks_per_node
         d["margin_gib"] = round(self.margin_gib, 3)
         return json.loads(json.dumps(d, default=str))
+
+    def fit_row(self) -> dict:
+        """This plan as one row of a build's ``plan.json`` fit table (model_cards/README.md:
+        ``{"fit": [row, ...]}``, the card's columns are the first row's keys, in order)."""
+        row = {"nodes": self.nodes, "TP": self.tp, "KV dtype": self.kv_dtype, "draft": self.draft,
+               "max-model-len": self.max_model_len, "weights GiB/rank": round(self.weights_bytes / GIB, 2),
+               "KV pool tokens": self.kv_pool_tokens}
+        row.update({f"sessions {k}": "-" if v is None else round(v, 1) for k, v in self.sessions.items()})
+        row["fits"] = "yes" if self.fits else "no"
+        return row
 
     def render(self) -> str:
         """The plan as a text table, one term per line (GiB per rank)."""
@@ -419,3 +431,27 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nod
         kv_pool_tokens=pool_tokens, state_tokens=state_tokens, sessions=sess,
         fits=margin >= 0, margin_bytes=margin, build_bytes=build.nbytes,
         notes=notes)
+
+
+def write_plan(report: FitReport, build: str | Path) -> Path:
+    """Add ``report`` as a row of ``build``'s ``plan.json`` (created when absent); a row with the
+    same nodes, TP, KV dtype, draft and max-model-len is replaced. Returns the file's path.
+
+    Raises:
+        OutputError: ``build`` is not a finished build folder (no manifest).
+    """
+    from formats.checkpoint import write_json_atomic
+    from quantize.base.errors import OutputError
+
+    build = Path(build)
+    if not (build / MANIFEST_NAME).is_file():
+        raise OutputError(f"--out {build}: not a finished build (no {MANIFEST_NAME}); the fit "
+                          "table is written into the build folder its card is made from",
+                          key=str(build))
+    path = build / PLAN_NAME
+    rows = json.loads(path.read_text()).get("fit", []) if path.is_file() else []
+    row = report.fit_row()
+    key = ("nodes", "TP", "KV dtype", "draft", "max-model-len")
+    rows = [r for r in rows if not isinstance(r, dict) or any(r.get(k) != row[k] for k in key)]
+    write_json_atomic({"fit": [*rows, row]}, path)
+    return path

@@ -374,6 +374,20 @@ def test_read_only_output_refused_up_front(tmp_path, tiny_fp8_llama, tmpfs, caps
     assert nvfp4(capsys, tiny_fp8_llama, fs / "out")[0] == 0
 
 
+def test_free_space_counts_carried_files(tmp_path, tiny_fp8_llama, tmpfs, capsys):
+    """A disk that holds the tensors (a 1 MiB tmpfs does, test_output_turns_read_only...) but
+    not a 2 MiB tokenizer.json carried beside them is refused up front (issue 19 item 7)."""
+    fs = tmpfs("tok", 1 << 20)
+    (tiny_fp8_llama / "tokenizer.json").write_bytes(b"{" + b" " * (2 << 20) + b"}")
+    rc, err = nvfp4(capsys, tiny_fp8_llama, fs / "out")
+    line = err.splitlines()[1]
+    assert rc == 1 and line.startswith(
+        f"error: [output] not enough free disk on the filesystem of {fs}: need 2.") and line.endswith(
+        "free 1.0 MiB. Free some space, choose another --out, or point HF_HOME (the download "
+        "cache) at another disk."), err
+    assert not (fs / "out").exists()
+
+
 def test_too_little_space_refused_up_front(tmp_path, tiny_fp8_llama, tmpfs, capsys):
     fs = tmpfs("small", 64 << 10)
     rc, err = nvfp4(capsys, tiny_fp8_llama, fs / "out")
@@ -436,8 +450,40 @@ def test_output_turns_read_only_mid_run_then_resume(tmp_path, tiny_fp8_llama, cl
 
 def test_source_shard_truncated_mid_run_then_resume(tmp_path, tiny_fp8_llama, clean, monkeypatch,
                                                     capsys):
+    """S3 is truncated while the writer holds shard 2 and the reader, having opened S3 for its
+    own tensors, has not read one yet. The reader thread runs ahead of the writer (it queues
+    finished tensors) and reads S3 earlier for scales of S1 and S2, so the two threads are put
+    in this order by events (no sleeps, no timing): the reader waits for the truncation before
+    its first read of S3's own tensors, the writer for the reader to have reached them."""
+    import threading
+
+    from formats.shards import ShardReader
+    from formats.sources import Source
+
     good = (tiny_fp8_llama / S3).read_bytes()
-    _failing_on_second_shard(monkeypatch, lambda: os.truncate(tiny_fp8_llama / S3, 5000))
+    at_s3, truncated, current = threading.Event(), threading.Event(), {"shard": None}
+    real_get, real_stream = ShardReader.get, Source.stream
+
+    def stream(self, shards=None):
+        for shard in real_stream(self, shards):
+            current["shard"] = shard
+            yield shard
+
+    def get(self, shard, name, rows=None):
+        if shard == S3 == current["shard"] and threading.current_thread().name == "read":
+            self._handle(shard)  # S3's header and size are read before the truncation
+            at_s3.set()
+            assert truncated.wait(120), "the writer never took shard 2"
+        return real_get(self, shard, name, rows)
+
+    def truncate():
+        assert at_s3.wait(120), f"the reader never reached the tensors of {S3}"
+        os.truncate(tiny_fp8_llama / S3, 5000)
+        truncated.set()
+
+    monkeypatch.setattr(Source, "stream", stream)
+    monkeypatch.setattr(ShardReader, "get", get)
+    _failing_on_second_shard(monkeypatch, truncate)
     stops_then_resumes(
         capsys, tiny_fp8_llama, tmp_path / "out", clean,
         f"error: shard {S3} changed while it was being read ({len(good)} -> 5000 bytes): truncated "

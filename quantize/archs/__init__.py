@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "module_roles",
-           "sensitive_role", "num_routed_experts", "mtp_layer_indices", "text_config",
+           "sensitive_role", "DSA_MODEL_TYPES", "num_routed_experts", "mtp_layer_indices", "text_config",
            "tp_split", "ReleaseLayout", "RELEASE_LAYOUTS", "release_storage", "MTP_EXTRA_TENSORS",
            "AttnKind", "AttnLayer", "attention_layers", "decoder_layer_of", "tp_replicated_role",
            "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
@@ -78,9 +78,11 @@ _EH_PROJ = re.compile(r"\.eh_proj$")
 _VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|mm_projector|multi_modal_projector)(\.|$)")
 
 # Per model_type: (pattern, role) of Linears that stay high precision in every recipe.
+DSA_MODEL_TYPES = ("glm5_next", "glm5_next_text", "glm_moe_dsa", "deepseek_v32")
+"""model_types whose DSA indexer the map knows (its ``weights_proj`` stays high precision)."""
 _SENSITIVE_BY_MODEL_TYPE: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
     mt: ((re.compile(r"\.indexer\.weights_proj$"), "indexer_weights_proj"),)
-    for mt in ("glm5_next", "glm5_next_text", "glm_moe_dsa", "deepseek_v32")
+    for mt in DSA_MODEL_TYPES
 }
 # vLLM 0.26 deepseek_v2.py builds the indexer's fused wk_weights_proj with quant_config=None and
 # loads wk as BF16 (or dequantizes a 128x128 block-FP8 wk); an NVFP4 wk does not load.

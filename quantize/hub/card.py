@@ -143,7 +143,11 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
     base = base_model or src.get("repo") or src.get("base_model")
     lic = license or src.get("license") or carried.get("license")
     schema = _schema()
-    tags = [*schema["tags"], *([cfg["model_type"]] if cfg.get("model_type") else [])]
+    opts = man.get("options", {})
+    modelopt = opts.get("format") == "modelopt"
+    # the layout tag names the build's own format (schema tags list compressed-tensors)
+    tags = [("modelopt" if modelopt and t == "compressed-tensors" else t) for t in schema["tags"]]
+    tags += [cfg["model_type"]] if cfg.get("model_type") else []
     extra = {k: src.get(k) or carried.get(k) for k in ("license_name", "license_link")
              if (src.get(k) or carried.get(k)) and not license}
     results = _eval_results(info["report"])
@@ -171,6 +175,7 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
         data, template_path=str(TEMPLATE),
         title=f"{repo_id.split('/')[-1]}", base_model=base or "unknown", repo_id=repo_id,
         tool_version=man.get("version", "?"), format_name=cfg.get("quantization_config", {}).get("format", "?"),
+        modelopt=modelopt, w4a4=opts.get("scheme") == "w4a4",
         forced=forced, recipe=man.get("options", {}).get("recipe", "?"),
         recipe_sha256=man.get("options", {}).get("recipe_sha256", ""),
         scheme=man.get("options", {}).get("scheme", "?"),
@@ -183,7 +188,7 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
                     "n": _task_n(info["report"], r.task_name)} for r in results],
         commit=src.get("commit"), layout=src.get("layout", "?"), source_note=src.get("demo"),
         source_files=bool(source_files),
-        license=lic)
+        license=lic, license_given=bool(license))
     card.content = re.sub(r"\n{3,}", "\n\n", card.content)  # blank runs left by template tags
     card.content = redact(card.content)  # no token reaches a published card
     return card

@@ -49,6 +49,7 @@ from formats.engines import (
     FORMAT_SUPPORT,
     MODEL_RULES,
     MODELOPT_REQUIRED_KEYS,
+    MOE_ONE_SCHEME,
     VLLM_DSA_INDEX_HEAD_DIM,
     VLLM_DSA_INDEX_HEADS,
     VLLM_DSA_ROPE_DIM,
@@ -60,6 +61,7 @@ from formats.engines import (
     VLLM_MOE_HIDDEN_MULTIPLE,
     VLLM_NOAUX_TC,
     align_violations,
+    mixed_moe_schemes,
 )
 from formats.shards import ShardReader, TensorInfo, read_header
 from quantize import archs
@@ -351,15 +353,9 @@ def _check_groups(mods: dict[str, _Module], reader: ShardReader, fmt: str, out: 
                     out.append(Finding("error", "fused-group", f"{key} differs across members " + ", ".join(
                         f"{m.rsplit('.', 1)[-1]}={v:.9g}" for m, v in vals.items())
                         + " (engines take one; FC-06/FC-07)", gid))
-    layers: dict[str, set] = {}
-    for mod in names:
-        m = re.match(r"^(.*\.experts)\.\d+\.[^.]+$", mod)
-        if m:
-            layers.setdefault(m.group(1), set()).add(mods[mod].kind)
-    for prefix, kinds in sorted(layers.items()):
-        if len(kinds) > 1:
-            out.append(Finding("error", "fused-group", f"routed experts mix {sorted(kinds)}; engines load one "
-                               "scheme per MoE layer", prefix))
+    for prefix, kinds in mixed_moe_schemes({m: mods[m].kind for m in names}).items():
+        out.append(Finding("error", "fused-group", f"routed experts mix {kinds}; {MOE_ONE_SCHEME}",
+                           prefix))
 
 
 def _check_mtp(config: dict, infos: dict[str, TensorInfo], mods: dict[str, _Module], out: list) -> None:

@@ -44,7 +44,7 @@ from quantize.inspect.budget import check_free_disk, predicted_output_bytes
 from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
 from quantize.plan.activations import kv_scale_dtype
 from quantize.plan.recipe import Recipe
-from quantize.plan.tensors import Decision, plan_tensors, predict_outputs
+from quantize.plan.tensors import Decision, module_of, plan_tensors, predict_outputs
 
 __all__ = ["ABSURD_AMAX", "MIN_AMAX", "Preflight", "preflight", "scan_scales", "check_output"]
 
@@ -164,6 +164,43 @@ def _scale_findings(info, s: torch.Tensor, weight: str) -> list[Finding]:
                     shard=info.shard) for level, msg in found]
 
 
+# Config keys read as counts or sizes (archs, fit, the fixtures): a non-negative integer when
+# present; the ``*_lora_rank`` keys may also be null (no low-rank projection).
+_INT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+             "max_position_embeddings", "n_routed_experts", "num_experts", "n_shared_experts",
+             "num_experts_per_tok", "num_nextn_predict_layers", "kv_lora_rank", "q_lora_rank",
+             "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "index_n_heads",
+             "index_topk")
+
+
+def _config_findings(config: dict, modules: set[str]) -> list[Finding]:
+    """Config values of the wrong type (each names its key), and a ``model_type`` the
+    architecture map does not know for modules whose treatment depends on it (the DSA
+    indexer ``weights_proj``, high precision only for ``archs.DSA_MODEL_TYPES``)."""
+    out = []
+    for where, cfg in (("", config), ("text_config.", archs.text_config(config))):
+        if where and cfg is config:
+            continue
+        for key in _INT_KEYS:
+            v = cfg.get(key)
+            if key not in cfg or (v is None and key.endswith("_lora_rank")):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                out.append(Finding("error", "config", f"config.json {where}{key} is {v!r}: it must "
+                                   "be a non-negative integer", key=where + key))
+    mt = config.get("model_type")
+    dsa = sorted(m for m in modules if m.endswith(".indexer.weights_proj"))
+    if dsa and mt not in archs.DSA_MODEL_TYPES and archs.text_config(config).get("model_type") \
+            not in archs.DSA_MODEL_TYPES:
+        out.append(Finding("error", "config", f"config.json model_type {mt!r} is not one the "
+                           f"architecture map knows for a DSA indexer ({', '.join(archs.DSA_MODEL_TYPES)}), "
+                           f"but {dsa[0]} is a DSA indexer weights_proj: it would be planned as a plain "
+                           "Linear instead of staying high precision; set model_type to the architecture "
+                           "the checkpoint is", key="model_type"))
+    return out
+
+
 def _layout_findings(source: Source) -> list[Finding]:
     shapes = {n: i.shape for n, i in source.infos.items() if n not in source.split}
     shapes.update({n: source.tensors[n].shape for names in source.split.values() for n in names})
@@ -230,8 +267,12 @@ def check_output(out: Path, src: Path, resume: bool, source: Source | None = Non
         return f
     if source is not None and predicted is not None:
         done = {s for s in source.shards if (out / s).is_file()}
+        # the non-weight files carried into the build (tokenizer.json alone can be tens of MiB)
+        carried = (sum((src / rel).stat().st_size for rel in carry_plan(src, set())[0])
+                   if Path(src).is_dir() else 0)
         try:
-            check_free_disk(out, predicted_output_bytes(source, predicted, done), source.files)
+            check_free_disk(out, predicted_output_bytes(source, predicted, done) + carried,
+                            source.files)
         except OutputError as e:
             err(str(e))
     return f
@@ -266,6 +307,8 @@ def preflight(src: str | Path | Source, out: str | Path | None = None, *,
     folder = source.folder if source is not None else Path(src)
     pre = Preflight(source, findings)
     if source is not None:
+        findings += _config_findings(source.config, {m for n in source.tensors
+                                                     if (m := module_of(n)) is not None})
         findings += scan_scales(source)
         findings += _layout_findings(source)
         if folder.is_dir():

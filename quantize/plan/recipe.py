@@ -19,7 +19,7 @@ from pathlib import Path
 from quantize.archs import ROLES
 from quantize.base.errors import RecipeError
 
-__all__ = ["Target", "Rule", "Recipe", "load_recipe", "preset_names"]
+__all__ = ["DEFAULT_RECIPE", "MODEL_RECIPES", "default_recipe", "Target", "Rule", "Recipe", "load_recipe", "preset_names"]
 
 
 class Target(str, Enum):
@@ -85,6 +85,19 @@ class Recipe:
         return Target.KEEP
 
 
+DEFAULT_RECIPE = "weight-only"
+MODEL_RECIPES = {"glm5_next": "spark-mixed"}
+"""The preset recommended for a ``model_type`` (its ``--recipe`` default): GLM-5.3-Flash keeps
+MLA and KDA in BF16, which vLLM's glm5next model builds without a quant_config
+(``formats.engines.MODEL_RULES``), so weight-only would draw those warnings on every build."""
+
+
+def default_recipe(config: dict) -> str:
+    """The ``--recipe`` default for a source: :data:`MODEL_RECIPES` by its top-level
+    ``model_type``, else :data:`DEFAULT_RECIPE`."""
+    return MODEL_RECIPES.get(str(config.get("model_type")), DEFAULT_RECIPE)
+
+
 def preset_names() -> list[str]:
     """Names of the presets shipped in the package."""
     return sorted(p.name[:-5] for p in resources.files("quantize.plan.recipes").iterdir()
@@ -99,7 +112,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             with a missing key, unknown target or bad regex.
     """
     p = Path(name_or_path)
-    if p.suffix == ".toml" and p.is_file():
+    if p.suffix == ".toml" and not p.is_file():
+        raise RecipeError(f"recipe file {p}: no such file", key=str(name_or_path))
+    if p.suffix == ".toml":
         text = p.read_text()
     elif str(name_or_path) in preset_names():
         text = resources.files("quantize.plan.recipes").joinpath(f"{name_or_path}.toml").read_text()
@@ -111,6 +126,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"recipe {name_or_path}: {e}", key=str(name_or_path)) from None
     rules = []
+    if not isinstance(data.get("rule", []), list):
+        raise RecipeError(f"recipe {name_or_path}: 'rule' must be an array of tables "
+                          "([[rule]] with match and target)", key="rule")
     for i, r in enumerate(data.get("rule", [])):
         if not isinstance(r, dict) or "match" not in r or "target" not in r:
             raise RecipeError(f"recipe {name_or_path}: rule {i} needs 'match' and 'target'",
@@ -119,6 +137,9 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             raise RecipeError(f"recipe {name_or_path}: rule {i} has unknown target "
                               f"{r['target']!r} (valid: {', '.join(t.value for t in Target)})",
                               key=f"rule[{i}].target")
-        rules.append(Rule(str(r["match"]), Target(r["target"])))
+        try:
+            rules.append(Rule(str(r["match"]), Target(r["target"])))
+        except RecipeError as e:  # the rule's own message, with the file it is in
+            raise RecipeError(f"recipe {name_or_path}: rule {i}: {e}", key=e.key) from None
     return Recipe(str(data.get("name", p.stem)), tuple(rules), str(data.get("description", "")),
                   hashlib.sha256(text.encode()).hexdigest())

@@ -12,7 +12,10 @@ Order of precedence, one place:
    % 128) -> kept in high precision, with the reason;
 5. a fused group whose member was kept by 2 or 4 is kept whole, so engines never see a
    half-quantized fused GEMM (vLLM "Detected some but not all shards of ... are
-   quantized", docs/formats.md §A.2.3).
+   quantized", docs/formats.md §A.2.3);
+6. a plan whose routed experts of one MoE layer end in more than one scheme is refused
+   (:class:`RecipeError`; the rule ``formats.engines.mixed_moe_schemes`` that ``quantize check``
+   applies to the build).
 """
 
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from formats import get_writer
-from formats.engines import align_violations
+from formats.engines import MOE_ONE_SCHEME, align_violations, mixed_moe_schemes
 from formats.sources import LogicalTensor, Source
 from quantize import archs
 from quantize.base.errors import RecipeError
@@ -101,7 +104,8 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
 
     Raises:
         RecipeError: the recipe splits a fused group (names the group and each member's
-            target).
+            target), or the routed experts of one MoE layer would mix schemes at this TP
+            (names the layer, one expert weight, its target and why).
     """
     config = source.config
     names = set(source.tensors)
@@ -145,6 +149,7 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
             out[d.name] = Decision(d.name, _kept(source.tensors[d.name]),
                                    f"fused group {d.group}: {odd[0]} is not {d.target.value} ({why})",
                                    d.group, d.members, d.roles)
+    _refuse_mixed_moe(out, source, recipe, tp)
     return out
 
 
@@ -163,6 +168,27 @@ def unplaced_note(decisions: dict[str, Decision]) -> str | None:
         return None
     return (f"{len(names)} weight(s) no recipe rule places, written unquantized and listed in "
             f"ignore: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+
+
+def _refuse_mixed_moe(out: dict[str, Decision], source: Source, recipe: Recipe, tp: int) -> None:
+    """The final ``quantize check`` rule on routed experts (``formats.engines.mixed_moe_schemes``)
+    applied to the plan, so a plan that would fail it is refused before any shard is written."""
+    kinds = {m: _kind(d.target) for n, d in out.items()
+             if (m := module_of(n)) is not None and len(source.tensors[n].shape) == 2}
+    mixed = mixed_moe_schemes(kinds)
+    if not mixed:
+        return
+    prefix, found = next(iter(mixed.items()))
+    minority = min(found, key=lambda k: sum(
+        1 for m, v in kinds.items() if v == k and m.startswith(prefix + ".")))
+    d = next(d for n, d in sorted(out.items())
+             if n.startswith(prefix + ".") and kinds.get(module_of(n)) == minority)
+    more = f" (and {len(mixed) - 1} more MoE layer(s))" if len(mixed) > 1 else ""
+    raise RecipeError(
+        f"recipe {recipe.name} at TP={tp} mixes {found} in the routed experts of {prefix}{more}: "
+        f"{d.name} -> {d.target.value} ({d.reason}); {MOE_ONE_SCHEME}, so this build would fail "
+        "its final check: choose a --tp that every expert projection splits over, or a recipe "
+        "that gives these experts one target", key=prefix)
 
 
 def _refuse_split_groups(out: dict[str, Decision], wanted: dict[str, Target], recipe: Recipe) -> None:
