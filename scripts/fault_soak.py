@@ -346,12 +346,16 @@ class Soak:
         row = Row(stage, f"disk full (w{workers})", self.hit(f), str(rc), first_line(err) or "-",
                   "", "", rc == 1)
         lines = err.strip().splitlines()
-        if not (rc == 1 and lines and lines[-1].endswith("rerun the same command with --resume "
-                                                          "to continue")):
+        preflight = "not enough free disk" in err  # filled while a rank was in pre-flight
+        if preflight:
+            row.notes.append("refused by pre-flight's free-disk check")
+        elif not (rc == 1 and lines and lines[-1].endswith("rerun the same command with "
+                                                            "--resume to continue")
+                  and "No space left on device" in err):
             row.ok = False
-            row.notes.append("no resume hint as last line")
+            row.notes.append("expected ENOSPC named and the resume hint as last line")
         (fs / "ballast").unlink(missing_ok=True)
-        self._resume_and_compare(row, out, workers, {1}, "error: cannot ")
+        self._resume_and_compare(row, out, workers, {1}, "error: ")
         self.rows.append(row)
 
     def source_change(self, mode: str, n: int, workers: int) -> None:
@@ -454,9 +458,10 @@ def hub_download(soak: Soak, points: int, mount) -> Path:
         ref = work / "ref"
         rc, _, err = run(ref, work / "hf-ref")
         assert rc == 0, err
-        eq = compare_build(soak.ref, ref)  # the weights equal a local-folder build's
-        x, y = tree_digest(soak.ref), tree_digest(ref)
-        eq = "yes" if all(x[k] == y[k] for k in x if k != "spark-quant-manifest.json") else "NO"
+        from formats.manifest import MANIFEST_NAME
+
+        x, y = tree_digest(soak.ref), tree_digest(ref)  # the weights equal a local-folder build's
+        eq = "yes" if set(x) == set(y) and all(x[k] == y[k] for k in x if k != MANIFEST_NAME) else "NO"
         soak.rows.append(Row("download", "none (Hub source vs local folder)", "-", "0", "-", "-",
                              eq + " (manifest names the repo)", eq == "yes"))
         shards = sorted(p.name for p in soak.src.glob("*.safetensors"))
@@ -489,7 +494,7 @@ def hub_download(soak: Soak, points: int, mount) -> Path:
                           first_line(err) or "-", "", "", rc == -signal.SIGKILL, note)
                 rc2, _, err2 = run(out, hf_home, resume=True)
                 row.resume_rc = str(rc2)
-                row.equal = compare(ref, out) if rc2 == 0 else f"NO ({first_line(err2)})"
+                row.equal = compare_build(ref, out) if rc2 == 0 else f"NO ({first_line(err2)})"
                 row.ok = row.ok and rc2 == 0 and row.equal == "yes"
                 soak.rows.append(row)
         # a full disk under HF_HOME (the download cache) at the k-th shard request
@@ -525,7 +530,7 @@ def hub_download(soak: Soak, points: int, mount) -> Path:
             (fs / "ballast").unlink()
             rc2, _, err2 = run(out, hf_home, resume=True)
             row.resume_rc = str(rc2)
-            row.equal = compare(ref, out) if rc2 == 0 else f"NO ({first_line(err2)})"
+            row.equal = compare_build(ref, out) if rc2 == 0 else f"NO ({first_line(err2)})"
             row.ok = row.ok and rc2 == 0 and row.equal == "yes"
             soak.rows.append(row)
     return ref
