@@ -213,8 +213,9 @@ class ShardReader:
     memory holds only what the caller keeps. Reads are ``pread``, not ``mmap``: a shard that
     is truncated while open (a re-download, a full disk elsewhere) gives a short read and a
     clear error instead of a SIGBUS that kills the process without a message. Before each
-    read the file's size and mtime are compared with those seen when its header was parsed.
-    ``locate(shard) -> Path`` says where a shard file is (default ``folder / shard``); a Hub
+    read the file's size and mtime are compared with those seen when its header was parsed,
+    and, with ``expect(shard) -> (size, mtime_ns) | None``, at open with those pre-flight saw
+    (a shard changed mid-run before the reader reached it, docs/faults.md). ``locate(shard) -> Path`` says where a shard file is (default ``folder / shard``); a Hub
     source passes one that downloads the shard on first use.
 
     With ``direct``, tensors of :data:`DIRECT_MIN_BYTES` or more are read with ``O_DIRECT``
@@ -227,8 +228,10 @@ class ShardReader:
     """
 
     def __init__(self, folder: Path, max_open: int = 4,
-                 locate: Callable[[str], Path] | None = None, direct: bool = False):
+                 locate: Callable[[str], Path] | None = None, direct: bool = False,
+                 expect: Callable[[str], tuple[int, int] | None] | None = None):
         self.folder = Path(folder)
+        self.expect = expect
         self.max_open = max_open
         self.locate = locate or (lambda shard: self.folder / shard)
         self.direct = direct and hasattr(os, "O_DIRECT")
@@ -245,9 +248,17 @@ class ShardReader:
             if len(self._open) >= self.max_open:
                 self._close(self._open.pop(next(iter(self._open))))
             path = self.locate(shard)
-            header = read_header(path)
             fd = os.open(path, os.O_RDONLY)
             st = os.fstat(fd)
+            seen = self.expect(shard) if self.expect is not None else None
+            if seen is not None and seen != (st.st_size, st.st_mtime_ns):
+                os.close(fd)
+                raise SourceError(
+                    f"shard {shard} changed since pre-flight read its header ({seen[0]} -> "
+                    f"{st.st_size} bytes, modification time changed: {seen[1] != st.st_mtime_ns}): "
+                    "truncated or replaced during the run; restore it and rerun with --resume",
+                    shard=shard)
+            header = read_header(path)
             h = (fd, st, header, _open_direct(path, st) if self.direct else None)
         self._open[shard] = h
         return h

@@ -112,10 +112,19 @@ class ShardFiles:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.check_on_open = True  # load_index checks that every shard file exists
+        self.seen: dict[str, tuple[int, int]] = {}  # shard -> (size, mtime_ns) at header read
 
     def header(self, shard: str) -> dict[str, TensorInfo]:
-        """Header of ``shard`` (tensor name -> TensorInfo), without reading tensor data."""
+        """Header of ``shard`` (tensor name -> TensorInfo), without reading tensor data; the
+        file's (size, mtime_ns) just before is kept in ``seen``: the reader refuses a shard
+        that differs from it when it opens it (changed mid-run, docs/faults.md)."""
+        st = (self.folder / shard).stat()
+        self.seen[shard] = (st.st_size, st.st_mtime_ns)
         return read_header(self.folder / shard)
+
+    def expected(self, shard: str) -> tuple[int, int] | None:
+        """(size, mtime_ns) the file had when its header was read; None if never read here."""
+        return self.seen.get(shard)
 
     def path(self, shard: str) -> Path:
         """Local path of ``shard``, making it available first if needed."""
@@ -163,7 +172,8 @@ class Source:
         # O_DIRECT for shards already on disk; a fetched shard was just written (its bytes are
         # in the page cache)
         self._reader = ShardReader(self.folder, max_open=2, locate=self.files.path,
-                                   direct=type(self.files) is ShardFiles)
+                                   direct=type(self.files) is ShardFiles,
+                                   expect=getattr(self.files, "expected", None))
         self.findings = self._build_logical(unreadable)
 
     # ---- structure -------------------------------------------------------------------

@@ -491,6 +491,37 @@ def test_source_shard_truncated_mid_run_then_resume(tmp_path, tiny_fp8_llama, cl
         lambda: (monkeypatch.undo(), (tiny_fp8_llama / S3).write_bytes(good)))
 
 
+def test_source_shard_rewritten_after_preflight_then_resume(tmp_path, tiny_fp8_llama, clean,
+                                                            monkeypatch, capsys):
+    """Same size, other bytes, before the reader ever opened it (a re-download or an editor
+    between pre-flight and the read): refused by the (size, mtime) pre-flight saw, not
+    converted silently."""
+    import quantize.convert.pipeline as pl
+
+    path, good = tiny_fp8_llama / S3, (tiny_fp8_llama / S3).read_bytes()
+    st = path.stat()
+    real = pl._prepare_out
+
+    def prepare(out, resume):  # after pre-flight, before any shard is read
+        real(out, resume)
+        bad = bytearray(good)
+        bad[-1] ^= 0x01
+        path.write_bytes(bytes(bad))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    def fix():
+        monkeypatch.undo()
+        path.write_bytes(good)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    monkeypatch.setattr(pl, "_prepare_out", prepare)
+    stops_then_resumes(
+        capsys, tiny_fp8_llama, tmp_path / "out", clean,
+        f"error: shard {S3} changed since pre-flight read its header ({len(good)} -> {len(good)} "
+        "bytes, modification time changed: True): truncated or replaced during the run; restore "
+        "it and rerun with --resume", 0, fix)
+
+
 def test_ctrl_c_corrupt_ledger_and_damaged_finished_shard(tmp_path, tiny_fp8_llama, clean,
                                                           monkeypatch, capsys):
     out = tmp_path / "out"

@@ -17,6 +17,7 @@ before each download, so an interrupted run resumes without re-downloading a sha
 cache and still deletes what it fetched; the file is removed when the last shard is done.
 """
 
+import errno
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -157,8 +158,15 @@ class HubShards(ShardFiles):
             self.fetched.add(shard)
             self._save_state()  # before the bytes arrive: a crash mid-download stays ours
             self.downloaded_bytes += self.listing[shard]["size"]
-        with hub_errors(self.repo, self.commit):
-            p = Path(hf_hub_download(self.repo, shard, revision=self.commit))
+        try:
+            with hub_errors(self.repo, self.commit):
+                p = Path(hf_hub_download(self.repo, shard, revision=self.commit))
+        except OSError as e:  # a full or read-only download cache: name the shard and the fix
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                raise
+            raise SourceError(f"cannot download shard {shard} of {self.repo} into the cache "
+                              f"{self.root}: {e}; free space there (or point HF_HOME at another "
+                              "disk) and rerun with --resume", shard=shard) from None
         self._verify(shard, p)
         self._ready[shard] = p
         on_disk = sum(self.listing[s]["size"] for s in self.headers if self._on_disk(s))
