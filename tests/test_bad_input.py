@@ -12,7 +12,13 @@ import json
 
 import pytest
 import torch
-from conftest import BLOCK_FP8_QC, ct_nvfp4_reference, fp8_pair, load_all, write_checkpoint
+from conftest import (
+    BLOCK_FP8_QC,
+    ct_nvfp4_reference,
+    fp8_pair,
+    load_all,
+    write_checkpoint,
+)
 from safetensors.torch import save_file
 
 from formats.sources import inspect_source, open_source

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from conftest import BLOCK_FP8_QC, fp8_pair, write_checkpoint
+from safetensors.torch import load_file, save_file
 from test_recipes import moe_layer
 
 from formats.checkpoint import INDEX_NAME

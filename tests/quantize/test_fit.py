@@ -3,7 +3,6 @@ speculation arms, verdict, CLI."""
 
 import json
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 
