@@ -111,7 +111,9 @@ def mixed_moe_schemes(kinds: Mapping[str, str]) -> dict[str, list[str]]:
 @dataclass(frozen=True)
 class FormatSupport:
     """Whether ``engine`` loads ``fmt`` builds with ``algo`` (ModelOpt ``quant_algo`` or a
-    compressed-tensors scheme name). ``level``: ``ok``, ``warning`` (unconfirmed) or ``error``."""
+    compressed-tensors scheme name; ``MIXED_PRECISION:<algo>`` for the modules of one
+    ``quant_algo`` inside a ModelOpt ``MIXED_PRECISION`` build, looked up only where a row
+    exists). ``level``: ``ok``, ``warning`` (unconfirmed) or ``error``."""
 
     engine: str
     fmt: str
@@ -138,6 +140,12 @@ FORMAT_SUPPORT: tuple[FormatSupport, ...] = (
     FormatSupport("sglang", "compressed-tensors", "mixed-precision", "warning",
                   "SGLang compressed-tensors NVFP4 support UNCONFIRMED (docs/formats.md §B.3.4)"),
     FormatSupport("vllm", "modelopt", "FP8_PB_WO", "ok", "vLLM modelopt.py QUANT_ALGOS"),
+    FormatSupport("vllm", "modelopt", "MIXED_PRECISION:FP8_PB_WO", "error",
+                  "vLLM 0.26.0 cannot load FP8_PB_WO (128x128 block FP8) modules of a MIXED_PRECISION "
+                  "build (measured on the H200, 2026-12-01: KeyError 'layers.0.self_attn.o_proj."
+                  "weight_scale'; ModelOptMixedPrecisionConfig has no FP8_PB_WO method, docs/formats.md "
+                  "§B.3.7); write the build with --format compressed-tensors, whose mixed-precision "
+                  "groups vLLM loads (CutlassFp8BlockScaledMMKernel)"),
     FormatSupport("vllm", "modelopt", "MXFP8", "ok", "vLLM modelopt.py ModelOptMxFp8LinearMethod"),
     FormatSupport("vllm", "compressed-tensors", "float-quantized", "ok",
                   "vLLM compressed_tensors.py FP8 block scheme (CompressedTensorsW8A8Fp8, strategy block)"),

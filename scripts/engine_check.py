@@ -278,7 +278,8 @@ def run_vllm(model: str | Path, prompts: list[list[int]], vocab: int, *, kv_cach
         if kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = kv_cache_dtype
         if speculative == "mtp":
-            kwargs["speculative_config"] = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+            kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 1}
+            kwargs["disable_log_stats"] = False  # the acceptance counters live in the stats
         llm = LLM(**kwargs)
         res["loaded"] = True
         model_obj = _reach_model(llm)

@@ -261,6 +261,18 @@ def _support(engine: str, fmt: str, algo: str, out: list) -> None:
                            "config.json"))
 
 
+def mixed_support_findings(engine: str, layer_algos: set[str]) -> list[Finding]:
+    """Findings for the ``quant_algo`` values inside a ModelOpt ``MIXED_PRECISION`` build that
+    ``engine`` cannot load (``FORMAT_SUPPORT`` rows ``MIXED_PRECISION:<algo>``; an algo without
+    a row is not judged). Pre-flight applies it to the plan, ``quantize check`` to the build."""
+    out: list[Finding] = []
+    for layer_algo in sorted(layer_algos):
+        key = f"MIXED_PRECISION:{layer_algo}"
+        if any(r.engine == engine and r.fmt == "modelopt" and r.algo == key for r in FORMAT_SUPPORT):
+            _support(engine, "modelopt", key, out)
+    return out
+
+
 def _check_modelopt(folder: Path, qc: dict, mods: dict[str, _Module], engine: str, out: list) -> set[str]:
     path = folder / "hf_quant_config.json"
     if not path.is_file():
@@ -286,6 +298,9 @@ def _check_modelopt(folder: Path, qc: dict, mods: dict[str, _Module], engine: st
     _support(engine, "modelopt", algo, out)
     excludes = q.get("exclude_modules") or []
     layers = q.get("quantized_layers") or {}
+    if algo == "MIXED_PRECISION":
+        out += mixed_support_findings(engine, {str(v.get("quant_algo")) for v in layers.values()
+                                               if isinstance(v, dict)})
     algo_kind = modelopt.ALGO_TARGETS
     ignored = set()
     for m in mods.values():

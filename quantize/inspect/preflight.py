@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from formats import modelopt
 from formats.checkpoint import carry_plan
 from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
 from formats.shards import DTYPE_BYTES, ShardReader, dtype_name, is_temp_name
@@ -41,6 +42,7 @@ from quantize.base.errors import (
     render_findings,
 )
 from quantize.inspect.budget import check_free_disk, predicted_output_bytes
+from quantize.inspect.check import mixed_support_findings
 from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
 from quantize.plan.activations import kv_scale_dtype
 from quantize.plan.recipe import Recipe
@@ -278,6 +280,19 @@ def check_output(out: Path, src: Path, resume: bool, source: Source | None = Non
     return f
 
 
+def _format_support(decisions, fmt: str, scheme: str, engine: str) -> list[Finding]:
+    """The final check's engine-support rule for a ModelOpt ``MIXED_PRECISION`` build
+    (:func:`quantize.inspect.check.mixed_support_findings`), applied to the plan so such a
+    build is refused before its first byte is written."""
+    if fmt != modelopt.FORMAT_NAME:
+        return []
+    targets = {d.name: d.target.value for d in decisions.values() if d.target.quantized}
+    if modelopt.quant_algo_of(targets, scheme) != "MIXED_PRECISION":
+        return []
+    algos = {modelopt.quant_algo_of({"m": t}, scheme) for t in set(targets.values())}
+    return mixed_support_findings(engine, algos)
+
+
 def preflight(src: str | Path | Source, out: str | Path | None = None, *,
               recipe: Recipe | None = None, resume: bool = False, fmt: str = "compressed-tensors",
               tp: int = 1, engine: str = "vllm", carry_skip: frozenset[str] = frozenset(),
@@ -319,6 +334,7 @@ def preflight(src: str | Path | Source, out: str | Path | None = None, *,
             kv_dtype = dtype_name(kv_scale_dtype(source.config))
             pre.predicted = predict_outputs(source, pre.decisions, fmt, scheme=scheme,
                                             kv_scales={a: kv_dtype for a in kv_attention})
+            findings += _format_support(pre.decisions, fmt, scheme, engine)
     if out is not None:
         findings += check_output(Path(out), folder, resume, source, pre.predicted)
     return pre

@@ -240,3 +240,42 @@ def test_vllm_nvfp4_expert_hidden_multiple_of_64(tmp_path):
     assert findings(tmp_path / "b") == [
         ("error", "align", "model.layers.0.mlp.experts.0.gate_proj", "K=48: vLLM's Marlin NVFP4 MoE needs "
          "hidden_size % 64 (prepare_nvfp4_moe_layer_for_marlin)")]
+
+
+MLA_FP8_RECIPE = """name = "experts-nvfp4-mla-fp8"
+description = "routed experts NVFP4, MLA projections 128x128 block FP8"
+[[rule]]
+match = "role:routed_expert"
+target = "nvfp4"
+[[rule]]
+match = "role:mla"
+target = "fp8-block"
+[[rule]]
+match = "re:.*"
+target = "keep"
+"""
+
+
+def test_vllm_refuses_modelopt_mixed_block_fp8(tmp_path, capsys):
+    """Measured in vLLM 0.26.0 on the H200: a ModelOpt MIXED_PRECISION build with FP8_PB_WO MLA
+    projections fails to load (KeyError ...o_proj.weight_scale); the compressed-tensors build of
+    the same recipe loads. Pre-flight refuses the first plan before any byte is written (the
+    rule the final check applies, formats.engines.FORMAT_SUPPORT), and the second converts
+    and passes the final check."""
+    from quantize.data.fixtures import write_release_fixture
+
+    src = write_release_fixture(tmp_path / "src", "deepseek_v3")
+    (tmp_path / "r.toml").write_text(MLA_FP8_RECIPE)
+    args = ["--src", str(src), "--recipe", str(tmp_path / "r.toml"), "--no-showcase", "--quiet"]
+    capsys.readouterr()
+    assert main(["nvfp4", "--out", str(tmp_path / "mo"), "--format", "modelopt", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: 1 problem(s) in src:\nerror: [config] vllm and modelopt "
+                          "MIXED_PRECISION:FP8_PB_WO: vLLM 0.26.0 cannot load FP8_PB_WO (128x128 block "
+                          "FP8) modules of a MIXED_PRECISION build")
+    assert "--format compressed-tensors" in err
+    assert not (tmp_path / "mo").exists()
+    assert main(["nvfp4", "--out", str(tmp_path / "ct"), "--format", "compressed-tensors", *args]) == 0
+    assert [f for f in check_build(tmp_path / "ct") if f.level == "error"] == []
+    assert main(["nvfp4", "--out", str(tmp_path / "mo-sg"), "--format", "modelopt", "--engine",
+                 "trtllm", *args]) == 0  # another engine's rows decide for it
