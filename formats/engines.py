@@ -14,7 +14,8 @@ __all__ = ["ENGINES", "AlignRule", "ALIGN_RULES", "align_violations", "mixed_moe
            "FORMAT_SUPPORT", "MODEL_RULES", "ModelRule", "MODELOPT_REQUIRED_KEYS",
            "VLLM_MLA_MODEL_TYPES", "VLLM_MLA_HEAD_SIZES", "VLLM_MLA_HEAD_SIZES_UNCONFIRMED",
            "VLLM_MLA_PREFILL_DIMS", "VLLM_DSA_INDEX_HEAD_DIM", "VLLM_DSA_INDEX_HEADS", "VLLM_DSA_ROPE_DIM",
-           "VLLM_MOE_HIDDEN_MULTIPLE", "VLLM_NOAUX_TC", "VLLM_LAYER_TYPES_REJECTED"]
+           "VLLM_MOE_HIDDEN_MULTIPLE", "VLLM_NOAUX_TC", "VLLM_LAYER_TYPES_REJECTED",
+           "VLLM_MLA_KV_SCALES_LOADED", "VLLM_MODELOPT_KV_SCHEME"]
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
@@ -247,3 +248,34 @@ completeness of quantized checkpoints)."""
 VLLM_LAYER_TYPES_REJECTED = ("indexed_attention",)
 """``layer_types`` values transformers 5.17 (vLLM 0.26's pin on the H200 machine) rejects;
 ``deepseek_sparse_attention`` is read by 5.17 and 5.24 alike."""
+
+VLLM_MLA_KV_SCALES_LOADED = False
+"""Whether vLLM 0.26 loads a checkpoint's FP8 KV scales into MLA attention (DeepSeek-V2/V3,
+GLM-5 through ``deepseek_v2.py``): no, under no name, in either format (docs/formats.md §B.4).
+``DeepseekV2ForCausalLM.load_weights`` is an ``AutoWeightsLoader``, which first applies
+``quant_config.get_cache_scale_mapper()`` (``vllm/model_executor/layers/quantization/base_config.py``;
+``vllm/model_executor/models/utils.py`` ``AutoWeightsLoader.load_weights``): ModelOpt
+``self_attn.k_proj.k_scale`` and compressed-tensors ``self_attn.k_scale`` both become
+``self_attn.attn.k_scale``. ``DeepseekV2Model.load_weights`` then calls
+``maybe_remap_kv_scale_name`` (``vllm/model_executor/model_loader/weight_utils.py``), whose MLA
+rule expects the unmapped ModelOpt name and whose default rule appends another ``.attn``:
+``layers.L.self_attn.attn.attn.k_scale``, while the parameter is
+``layers.L.self_attn.mla_attn.mla_attn.k_scale`` -> "Found k_scale in the checkpoint (e.g.
+layers.0.self_attn.attn.k_scale), but not found the expected name in the model (e.g.
+layers.0.self_attn.attn.attn.k_scale). k_scale is not loaded." (measured on the H200 for a
+compressed-tensors build; ModelOpt builds log "Using KV cache scaling factor 1.0",
+``vllm/model_executor/layers/quantization/kv_cache.py``). In addition compressed-tensors and
+ModelOpt ``MIXED_PRECISION`` attach no KV method to ``MLAAttention`` at all
+(``compressed_tensors.py`` / ``modelopt.py`` ``get_quant_method``). With an fp8 KV cache vLLM
+then quantizes the latent record with scale 1.0."""
+
+VLLM_MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
+"""The items a ModelOpt build's config.json ``quantization_config.kv_cache_scheme`` must hold for
+vLLM 0.26 to take its KV cache as FP8 (``vllm/model_executor/layers/quantization/modelopt.py``
+``ModelOptQuantConfigBase.from_config``, flat form: ``type float`` and ``num_bits 8`` -> "FP8";
+``vllm/utils/torch_utils.py`` ``get_kv_cache_quant_algo_string`` also wants ``dynamic: false``
+to resolve ``--kv-cache-dtype auto`` to fp8). ``hf_quant_config.json`` is read only when
+config.json has no ``quantization_config`` (``vllm/transformers_utils/config.py``), so a build
+declaring FP8 KV only there runs ``auto`` with a bf16 KV cache, and a ``MIXED_PRECISION`` build
+gives its attention no KV method (``ModelOptMixedPrecisionConfig.get_quant_method``: scales
+unused, scale 1.0 with ``--kv-cache-dtype fp8``)."""

@@ -15,10 +15,15 @@ quant_utils.py; vLLM modelopt.py ModelOptNvFp4LinearMethod / ModelOptMxFp8Linear
 
 (*) a passed-through DeepSeek ``weight_scale_inv`` keeps its stored dtype, renamed only.
 
-FP8 KV cache (``kv_cache_quant_algo: "FP8"``): ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale``
-float32, dequant direction amax / 448 (ModelOpt quant_utils.py ``_KV_CACHE_REPLACEMENTS``;
-vLLM remaps them to ``<attn>.attn.k_scale``; docs/formats.md §B.4). Written 0-dim like the other
-ModelOpt scalars [UNCONFIRMED: shape of ModelOpt's own export].
+FP8 KV cache (``kv_cache_quant_algo: "FP8"`` in hf_quant_config.json, and in config.json
+``kv_cache_scheme: {"dynamic": false, "num_bits": 8, "type": "float"}`` as ModelOpt's
+``convert_hf_quant_config_format`` writes it: vLLM 0.26 reads only config.json when it has a
+``quantization_config``): ``<attn>.k_proj.k_scale`` / ``<attn>.v_proj.v_scale`` float32, dequant
+direction amax / 448 (ModelOpt quant_utils.py ``_KV_CACHE_REPLACEMENTS``; vLLM remaps them to
+``<attn>.attn.k_scale``; docs/formats.md §B.4). Written 0-dim like the other ModelOpt scalars
+[UNCONFIRMED: shape of ModelOpt's own export]. MLA (DeepSeek / GLM-5) keeps ModelOpt's names
+although vLLM 0.26 loads no KV-scale name for MLA attention (docs/formats.md §B.4;
+``formats.engines.VLLM_MLA_KV_SCALES_LOADED``).
 
 Two config files (ModelOpt ``_write_hf_export_config``):
 ``hf_quant_config.json`` ``{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo",
@@ -57,6 +62,11 @@ KV_NAMES = {"k": "k_proj.k_scale", "v": "v_proj.v_scale"}
 """Local names (after ``<attn>.``) of the FP8 KV scales (:func:`emit_kv_scales`)."""
 _W4A4_NVFP4 = {"quant_algo": "NVFP4", "group_size": 16}
 _KV_ALGOS = {"fp8": "FP8"}
+_KV_SCHEMES = {"FP8": {"dynamic": False, "num_bits": 8, "type": "float"}}
+"""config.json ``kv_cache_scheme`` per ``kv_cache_quant_algo`` (ModelOpt
+``convert_hf_quant_config_format``; vLLM 0.26 modelopt.py ``ModelOptQuantConfigBase.from_config``
+reads ``type float`` + ``num_bits 8`` as FP8, torch_utils.py ``get_kv_cache_quant_algo_string``
+also needs ``dynamic: false`` to pick fp8 for ``--kv-cache-dtype auto``)."""
 _LAYER_ALGO = {"nvfp4": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
                "fp8-block": {"quant_algo": "FP8_PB_WO"},
                "mxfp8": {"quant_algo": "MXFP8", "group_size": 32}}
@@ -200,7 +210,10 @@ def _group_config(algo: str, group_size: int | None) -> dict:
 def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str = "w4a16",
                         producer: dict | None = None, kv_cache: str | None = None) -> dict:
     """config.json ``quantization_config``: ModelOpt's ``convert_hf_quant_config_format`` of
-    :func:`hf_quant_config` (``quant_method: modelopt``, ``ignore`` == ``exclude_modules``).
+    :func:`hf_quant_config` (``quant_method: modelopt``, ``ignore`` == ``exclude_modules``;
+    ``kv_cache`` ``fp8`` adds ``kv_cache_scheme`` ``{"dynamic": false, "num_bits": 8, "type":
+    "float"}``, the only KV-cache setting vLLM 0.26 reads from a build whose config.json has a
+    ``quantization_config``, docs/formats.md §B.4).
 
     Raises:
         ValueError: unknown scheme or KV-cache type.
@@ -224,6 +237,8 @@ def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str 
         out["config_groups"] = {"group_0": {**_group_config(algo, q["group_size"]), "targets": ["Linear"]}}
     out["ignore"] = q["exclude_modules"]
     out["quant_algo"] = algo
+    if q["kv_cache_quant_algo"]:
+        out["kv_cache_scheme"] = dict(_KV_SCHEMES[q["kv_cache_quant_algo"]])
     if producer:
         out["producer"] = dict(producer)
     out["quant_method"] = "modelopt"

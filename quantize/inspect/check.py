@@ -26,6 +26,10 @@ Rules, each a finding with the tensor or module it is about (docs/formats.md §B
   dims, DSA index dims and indexer parts (MTP layers too; ``wk`` BF16 or block FP8), MoE placement by
   ``first_k_dense_replace`` / ``moe_layer_freq``, no layers beyond the MTP layers, NVFP4 routed
   experts' hidden % 64.
+- ``scale`` / ``config`` (vLLM, warnings): FP8 KV scales vLLM 0.26 does not load, so it runs the
+  fp8 KV cache with scale 1.0: any on MLA attention (DeepSeek / GLM-5, both formats), and a
+  ModelOpt build whose config.json lacks ``kv_cache_scheme`` (``formats.engines``
+  VLLM_MLA_KV_SCALES_LOADED, VLLM_MODELOPT_KV_SCHEME; docs/formats.md §B.4).
 - ``mtp``: each MTP layer (index from config) is present and complete, ``eh_proj`` unquantized.
 - ``sensitive``: routers and other sensitive modules unquantized; model-specific loader rows.
 - ``scale``: no NaN / Inf / non-positive scale value, no 0x7F / 0xFF e4m3 byte (FC-11).
@@ -56,8 +60,10 @@ from formats.engines import (
     VLLM_LAYER_TYPES_REJECTED,
     VLLM_MLA_HEAD_SIZES,
     VLLM_MLA_HEAD_SIZES_UNCONFIRMED,
+    VLLM_MLA_KV_SCALES_LOADED,
     VLLM_MLA_MODEL_TYPES,
     VLLM_MLA_PREFILL_DIMS,
+    VLLM_MODELOPT_KV_SCHEME,
     VLLM_MOE_HIDDEN_MULTIPLE,
     VLLM_NOAUX_TC,
     align_violations,
@@ -184,12 +190,54 @@ def _kv_scale_findings(config: dict, folder: Path, fmt: str, infos: dict[str, Te
     else:
         path = folder / "hf_quant_config.json"
         q = json.loads(path.read_text()).get("quantization") or {} if path.is_file() else {}
-        declared = bool(q.get("kv_cache_quant_algo") or qc.get("kv_cache_quant_algo"))
+        declared = bool(q.get("kv_cache_quant_algo") or qc.get("kv_cache_quant_algo")
+                        or qc.get("kv_cache_scheme"))
     if not declared:
         out.append(Finding("error", "scale", f"{len(kv)} k_scale / v_scale tensor(s) (e.g. "
                            f"{sorted(kv)[0]}) in a build whose config declares no KV-cache "
                            "quantization: engines ignore them or read them in the wrong "
                            "convention", sorted(kv)[0]))
+
+
+_KV_SCALE_1 = "vLLM will run the fp8 KV cache with scale 1.0, not the calibrated scales"
+
+
+def _check_vllm_kv_scales(config: dict, folder: Path, fmt: str, infos: dict[str, TensorInfo],
+                          out: list) -> None:
+    """FP8 KV scales vLLM 0.26 does not load (warnings: scale 1.0 is vLLM's default, the build
+    still runs): any on MLA attention (``formats.engines.VLLM_MLA_KV_SCALES_LOADED``), and a
+    ModelOpt build whose config.json lacks ``kv_cache_scheme`` (``VLLM_MODELOPT_KV_SCHEME``;
+    docs/formats.md §B.4)."""
+    kv = sorted(n for n in infos if n.endswith((".k_scale", ".v_scale")))
+    qc = config.get("quantization_config") or {}
+    cfg = {**config, **archs.text_config(config)}
+    modules = {n.rsplit(".", 1)[0] for n in infos}
+    local = get_writer(fmt).KV_NAMES
+    blocks = {}
+    for n in kv:
+        suffix = next((s for s in local.values() if n.endswith("." + s)), n.rsplit(".", 1)[1])
+        blocks[n] = n[: -len(suffix) - 1]
+    mla = [n for n in kv if archs.is_mla_attention(blocks[n], modules)]
+    if mla and not VLLM_MLA_KV_SCALES_LOADED and (config.get("model_type") in VLLM_MLA_MODEL_TYPES
+                                                  or cfg.get("model_type") in VLLM_MLA_MODEL_TYPES):
+        out.append(Finding("warning", "scale", f"{len(mla)} k_scale / v_scale tensor(s) on MLA attention "
+                           f"(e.g. {mla[0]}): vLLM 0.26 loads no KV scale of MLA attention under any name "
+                           "(it looks for layers.L.self_attn.attn.attn.k_scale, the parameter is "
+                           f"self_attn.mla_attn.mla_attn.k_scale): {_KV_SCALE_1}", mla[0]))
+    path = folder / modelopt.HF_QUANT_CONFIG
+    if fmt != "modelopt" or not path.is_file():
+        return
+    hf_kv = (json.loads(path.read_text()).get("quantization") or {}).get("kv_cache_quant_algo")
+    scheme = qc.get("kv_cache_scheme")
+    if hf_kv and not (isinstance(scheme, dict)
+                      and all(scheme.get(k) == v for k, v in VLLM_MODELOPT_KV_SCHEME.items())):
+        mixed = qc.get("quant_algo") == "MIXED_PRECISION"
+        out.append(Finding("warning", "config", f"kv_cache_quant_algo {hf_kv} only in hf_quant_config.json; "
+                           f"config.json quantization_config.kv_cache_scheme is {json.dumps(scheme)}, not "
+                           f"{json.dumps(VLLM_MODELOPT_KV_SCHEME)}: vLLM 0.26 reads the KV-cache setting "
+                           "from config.json, so --kv-cache-dtype auto keeps a bf16 KV cache"
+                           + (f", and with --kv-cache-dtype fp8 {_KV_SCALE_1} (MIXED_PRECISION attaches "
+                              "no KV method)" if mixed and kv else ""), "config.json"))
 
 
 # ---- target matching (engine semantics) --------------------------------------------------
@@ -616,6 +664,7 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
         _check_align(mods, engine, tp, out)
         if engine == "vllm":
             _check_vllm_model(config, infos, mods, out)
+            _check_vllm_kv_scales(config, folder, fmt, infos, out)
         if scan_scales:
             _check_scales(mods, reader, out)
     finally:

@@ -111,17 +111,26 @@ def test_mxfp8_bytes_equal_modelopt_and_ct_decodes_them(seed):
     {"model.layers.0.mlp.gate_proj": "nvfp4", "model.layers.0.mlp.up_proj": "nvfp4"},
     {"model.layers.0.mlp.gate_proj": "nvfp4", "model.layers.0.self_attn.o_proj": "fp8-block",
      "model.layers.0.self_attn.q_proj": "mxfp8"}])
-def test_config_json_equals_modelopt_converter(targets):
+@pytest.mark.parametrize("kv_cache", [None, "fp8"])
+def test_config_json_equals_modelopt_converter(targets, kv_cache):
     """config.json quantization_config == ModelOpt's convert_hf_quant_config_format applied to
-    our hf_quant_config.json; ignore == exclude_modules (FC-25)."""
+    our hf_quant_config.json; ignore == exclude_modules (FC-25); an FP8 KV cache is declared in
+    both files, config.json's ``kv_cache_scheme`` being the one vLLM 0.26 reads."""
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 
     ignore = ["lm_head", "model.layers.0.mlp.gate"]
     producer = {"name": "spark-quant", "version": "0.1.0"}
-    hf = modelopt.hf_quant_config(targets, ignore, producer)
+    hf = modelopt.hf_quant_config(targets, ignore, producer, kv_cache=kv_cache)
+    qc = modelopt.quantization_config(targets, ignore, "w4a16", producer, kv_cache)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ModelOpt warns that FP8_PB_WO has no CT group mapping
-        assert modelopt.quantization_config(targets, ignore, "w4a16", producer) == convert_hf_quant_config_format(hf)
+        assert qc == convert_hf_quant_config_format(hf)
+    assert hf["quantization"]["kv_cache_quant_algo"] == ("FP8" if kv_cache else None)
+    if kv_cache:
+        assert qc["kv_cache_scheme"] == {"dynamic": False, "num_bits": 8, "type": "float"}
+        assert json.dumps(qc).index('"kv_cache_scheme"') > json.dumps(qc).index('"quant_algo"')
+    else:
+        assert "kv_cache_scheme" not in qc
     assert hf["quantization"]["exclude_modules"] == sorted(ignore)
     if len(set(targets.values())) > 1:
         assert hf["quantization"]["quant_algo"] == "MIXED_PRECISION"

@@ -279,3 +279,59 @@ def test_vllm_refuses_modelopt_mixed_block_fp8(tmp_path, capsys):
     assert [f for f in check_build(tmp_path / "ct") if f.level == "error"] == []
     assert main(["nvfp4", "--out", str(tmp_path / "mo-sg"), "--format", "modelopt", "--engine",
                  "trtllm", *args]) == 0  # another engine's rows decide for it
+
+
+# ---- FP8 KV scales vLLM 0.26 does not load (formats.engines VLLM_MLA_KV_SCALES_LOADED) -----
+
+def kv_findings(folder, **kw):
+    return [(f.level, f.kind, f.tensor, f.message) for f in check_build(folder, **kw)
+            if f.kind in ("scale", "config")]
+
+
+SCALE_1 = "vLLM will run the fp8 KV cache with scale 1.0, not the calibrated scales"
+
+
+def mla_kv_warning(name):
+    return ("warning", "scale", name, (f"2 k_scale / v_scale tensor(s) on MLA attention (e.g. {name}): "
+            "vLLM 0.26 loads no KV scale of MLA attention under any name (it looks for "
+            "layers.L.self_attn.attn.attn.k_scale, the parameter is self_attn.mla_attn.mla_attn.k_scale): "
+            + SCALE_1))
+
+
+@pytest.mark.parametrize("build", ["compressed-tensors"], indirect=True)
+def test_vllm_ignores_ct_kv_scales_on_mla(build):
+    """compressed-tensors ``self_attn.k_scale`` on DeepSeek MLA: a warning (scale 1.0 is vLLM's
+    default), vLLM only: SGLang gets no such finding."""
+    p = "model.layers.1.self_attn"
+    set_tensor(build, f"{p}.k_scale", torch.tensor([0.02]))
+    set_tensor(build, f"{p}.v_scale", torch.tensor([0.02]))
+    edit_json(build / "config.json", lambda d: d["quantization_config"].update(kv_cache_scheme={
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}))
+    assert kv_findings(build) == [mla_kv_warning(f"{p}.k_scale")]
+    assert [f for f in kv_findings(build, engine="sglang") if f[1] == "scale"] == []
+    assert main(["check", str(build)]) == 0  # a warning, not a failure
+
+
+@pytest.mark.parametrize("build", ["modelopt"], indirect=True)
+def test_vllm_ignores_modelopt_kv_scales_on_mla_and_hf_only_kv_setting(build):
+    """ModelOpt names ``self_attn.k_proj.k_scale`` on MLA: vLLM 0.26 loads them under no name;
+    FP8 KV declared only in hf_quant_config.json: config.json is what vLLM reads."""
+    p = "model.layers.1.self_attn"
+    set_tensor(build, f"{p}.k_proj.k_scale", torch.tensor(0.02))
+    set_tensor(build, f"{p}.v_proj.v_scale", torch.tensor(0.02))
+    edit_json(build / "hf_quant_config.json", lambda d: d["quantization"].update(kv_cache_quant_algo="FP8"))
+    edit_json(build / "config.json", lambda d: d["quantization_config"].update(
+        kv_cache_scheme={"dynamic": False, "num_bits": 8, "type": "float"}))
+    assert kv_findings(build) == [mla_kv_warning(f"{p}.k_proj.k_scale")]
+    edit_json(build / "config.json", lambda d: d["quantization_config"].pop("kv_cache_scheme"))
+    hf_only = ("warning", "config", "config.json", ("kv_cache_quant_algo FP8 only in hf_quant_config.json; "
+               "config.json quantization_config.kv_cache_scheme is null, not "
+               '{"dynamic": false, "num_bits": 8, "type": "float"}: vLLM 0.26 reads the KV-cache setting '
+               "from config.json, so --kv-cache-dtype auto keeps a bf16 KV cache"))
+    assert kv_findings(build) == [hf_only, mla_kv_warning(f"{p}.k_proj.k_scale")]
+    for f in ("config.json", "hf_quant_config.json"):  # MIXED_PRECISION: no KV method at all
+        edit_json(build / f, lambda d: (d.get("quantization") or d["quantization_config"]).update(
+            quant_algo="MIXED_PRECISION"))
+    got = [f for f in kv_findings(build) if f[0] == "warning"]
+    assert got == [(*hf_only[:3], hf_only[3] + f", and with --kv-cache-dtype fp8 {SCALE_1} "
+                    "(MIXED_PRECISION attaches no KV method)"), mla_kv_warning(f"{p}.k_proj.k_scale")]
