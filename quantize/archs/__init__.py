@@ -258,6 +258,18 @@ class ReleaseLayout:
     only with it) and ``scoring_func: sigmoid`` (default softmax), ``moe_layer_freq: 1`` (with
     ``first_k_dense_replace``, vLLM's only MoE-placement rule), GLM-5's
     ``indexer_rope_interleave: true`` (its indexer RoPE is interleaved, vLLM's default NeoX).
+    GLM-5.3-Flash adds the keys vLLM's glm5next model reads as plain attributes (AttributeError
+    when absent: ``mhc``, ``mla_use_nope``, ``topk_method``, ``scoring_func``,
+    ``indexer_rope_interleave``) or with a default that differs from the release
+    (``moe_router_dtype``, ``index_share_for_mtp_iteration``, ``index_kpool_compress``);
+    docs/formats.md §A.3.4.
+
+    ``bf16_roles``: ``module_roles`` whose Linear weights the release stores BF16 however
+    they are named (GLM-5.3-Flash KDA, whose ``o_proj`` shares its name with MLA's).
+
+    ``mtp_drop``: patterns of tensor names (relative to the MTP layer) the MTP layer of the
+    release does not hold although the decoder layer it is built from has them
+    (GLM-5.3-Flash: no mHC sites and no ``shared_head.head``; docs/formats.md §A.3.4).
     """
 
     model_type: str
@@ -266,6 +278,8 @@ class ReleaseLayout:
     f32: tuple[str, ...]
     mtp_layer_kind: dict
     config_keys: dict = field(default_factory=dict)
+    bf16_roles: tuple[str, ...] = ()
+    mtp_drop: tuple[str, ...] = ()
 
 
 _COMMON_BF16_LINEARS = (r"(^|\.)lm_head\.weight$", r"\.indexer\.weights_proj\.weight$",
@@ -274,6 +288,14 @@ _COMMON_BF16_LINEARS = (r"(^|\.)lm_head\.weight$", r"\.indexer\.weights_proj\.we
 
 _NOAUX_TC = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
 _GLM5_KEYS = {**_NOAUX_TC, "indexer_rope_interleave": True}
+# GLM-5.3-Flash config.json keys vLLM 0.32 glm5next reads (docs/formats.md §A.3.4).
+_GLM53_KEYS = {**_GLM5_KEYS, "mhc": True, "mla_use_nope": True, "moe_router_dtype": "float32",
+               "index_share_for_mtp_iteration": True, "index_kpool_compress": True}
+# vLLM 0.32 glm5next has no FP8 load path for the KDA projections, MLA kv_b_proj and indexer
+# wq_b (only q_a / kv_a / q_b / o_proj and indexer wk are dequantized on load), so the FP8
+# release stores them BF16 (docs/formats.md §A.3.4).
+_GLM53_BF16_LINEARS = _COMMON_BF16_LINEARS + (r"\.self_attn\.kv_b_proj\.weight$",
+                                              r"\.indexer\.wq_b\.weight$")
 
 RELEASE_LAYOUTS: dict[str, ReleaseLayout] = {
     # DeepSeek-V3 FP8 release: router bf16, e_score_correction_bias f32
@@ -291,11 +313,15 @@ RELEASE_LAYOUTS: dict[str, ReleaseLayout] = {
     # hc_{attn,ffn}_{fn,base,scale}, q/k/v_conv1d, per-expert 2-D experts). Float32 on disk:
     # the class's _keep_in_fp32_modules_strict minus the router weight [UNCONFIRMED: the
     # release's exact dtypes are not public; routers follow the DeepSeek/GLM-5 releases].
-    "glm5_next": ReleaseLayout("glm5_next", "Glm5NextForConditionalGeneration", _COMMON_BF16_LINEARS,
+    # BF16 beyond the common set: every KDA projection, kv_b_proj, indexer wq_b (vLLM has no
+    # FP8 path for them). MTP layer: an MLA + DSA + MoE decoder layer without mHC and without
+    # shared_head.head (vLLM mtp.py builds neither; docs/formats.md §A.3.4).
+    "glm5_next": ReleaseLayout("glm5_next", "Glm5NextForConditionalGeneration", _GLM53_BF16_LINEARS,
                                (r"\.e_score_correction_bias$", r"_conv1d\.weight$", r"\.dt_bias$",
                                 r"\.A_log$", r"\.hc_(attn|ffn)_(base|scale)$"),
                                {"mlp_layer_types": "sparse", "layer_types": "indexed_attention",
-                                "indexer_types": "full"}, _NOAUX_TC),
+                                "indexer_types": "full"}, _GLM53_KEYS,
+                               bf16_roles=("kda",), mtp_drop=(r"^hc_(attn|ffn)_", r"^shared_head\.head\.")),
 }
 
 _LEGACY_LAYER_TYPES = {"indexed_attention": "deepseek_sparse_attention"}
@@ -312,15 +338,17 @@ def portable_layer_types(layer_types: list[str]) -> list[str]:
 MTP_EXTRA_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                      "shared_head.head.weight", "embed_tokens.weight")
 """Tensors an MTP layer holds besides a full decoder layer (DeepSeek-V3 README_WEIGHTS.md;
-GLM-4.x NextN, llama.cpp PR #14939). Shapes: norms [H], eh_proj [H, 2H], head/embed [V, H]."""
+GLM-4.x NextN, llama.cpp PR #14939). Shapes: norms [H], eh_proj [H, 2H], head/embed [V, H].
+A release may hold fewer (``ReleaseLayout.mtp_drop``: GLM-5.3-Flash has no ``shared_head.head``)."""
 
 
 def release_storage(layout: ReleaseLayout, name: str, shape: tuple[int, ...],
-                    is_linear: bool) -> str:
+                    is_linear: bool, roles: frozenset[str] = frozenset()) -> str:
     """On-disk storage of one tensor in an FP8 release: ``fp8`` (F8_E4M3 + weight_scale_inv),
-    ``F32`` or ``BF16``."""
+    ``F32`` or ``BF16``. ``roles``: the module's :func:`module_roles` (matched against
+    ``layout.bf16_roles``)."""
     if is_linear and len(shape) == 2 and name.endswith(".weight") and not any(
-            re.search(p, name) for p in layout.bf16_linears):
+            re.search(p, name) for p in layout.bf16_linears) and not roles & set(layout.bf16_roles):
         return "fp8"
     if any(re.search(p, name) for p in layout.f32):
         return "F32"

@@ -11,6 +11,7 @@ Weights are random (normal, scaled like trained Linears), stored as DeepSeek-sty
 """
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -186,8 +187,10 @@ def release_tensors(config: dict, *, with_data: bool, seed: int = 0) -> dict[str
     of the MTP kind. Its state dict is mapped to on-disk names by transformers' own reverse
     conversion mapping (``core_model_loading.revert_weight_conversion``: per-expert 2-D
     experts, GLM-5.3 ``f_a_proj`` / ``hc_attn_fn`` / ``q_conv1d`` names), the extra layer
-    becomes ``<layers>.{num_hidden_layers}`` plus :data:`archs.MTP_EXTRA_TENSORS`, and each
-    tensor gets the release's storage (:func:`archs.release_storage`).
+    becomes ``<layers>.{num_hidden_layers}`` plus :data:`archs.MTP_EXTRA_TENSORS`, less the
+    tensors the release's MTP layer lacks (``ReleaseLayout.mtp_drop``: GLM-5.3-Flash's has no
+    mHC and no ``shared_head.head``), and each tensor gets the release's storage
+    (:func:`archs.release_storage`, by name and by the module's roles).
 
     Returns:
         on-disk name -> ``(storage, shape, value)``: storage ``fp8`` / ``F32`` / ``BF16``,
@@ -202,6 +205,7 @@ def release_tensors(config: dict, *, with_data: bool, seed: int = 0) -> dict[str
     from quantize.archs import (
         MTP_EXTRA_TENSORS,
         RELEASE_LAYOUTS,
+        module_roles,
         release_storage,
         text_config,
     )
@@ -222,25 +226,34 @@ def release_tensors(config: dict, *, with_data: bool, seed: int = 0) -> dict[str
     state = revert_weight_conversion(model, model.state_dict())
     text = text_config(config)
     n, hidden, vocab = text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]
+    mtp = f"{prefix}{n}."
+
+    def dropped(name: str) -> bool:  # not in the release's MTP layer (ReleaseLayout.mtp_drop)
+        return name.startswith(mtp) and any(re.search(p, name[len(mtp):]) for p in layout.mtp_drop)
+
+    state = {k: v for k, v in state.items() if not dropped(k)}
+    on_disk_modules = {k.rsplit(".", 1)[0] for k in state}
     g = torch.Generator().manual_seed(seed + 1)
     out: dict[str, tuple] = {}
     for name, t in state.items():
         module = name.rsplit(".", 1)[0]
         is_linear = module in linears or module not in all_modules
-        storage = release_storage(layout, name, tuple(t.shape), is_linear)
+        roles = module_roles(module, on_disk_modules, config)
+        storage = release_storage(layout, name, tuple(t.shape), is_linear, roles)
         value = None
         if with_data:
             value = t.detach().to(torch.float32).contiguous()
             if name.endswith("e_score_correction_bias"):  # init is zeros; make bits distinctive
                 value = torch.randn(t.shape, generator=g) * 0.1
         out[name] = (storage, tuple(t.shape), value)
-    mtp = f"{prefix}{n}."
     extra_shapes = {"enorm.weight": (hidden,), "hnorm.weight": (hidden,),
                     "eh_proj.weight": (hidden, 2 * hidden), "shared_head.norm.weight": (hidden,),
                     "shared_head.head.weight": (vocab, hidden), "embed_tokens.weight": (vocab, hidden)}
     for suffix in MTP_EXTRA_TENSORS:
         shape = extra_shapes[suffix]
         name = mtp + suffix
+        if dropped(name):
+            continue
         value = None
         if with_data:
             value = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.02

@@ -51,7 +51,6 @@ from formats.checkpoint import INDEX_NAME, load_index, read_all_headers
 from formats.engines import (
     ENGINES,
     FORMAT_SUPPORT,
-    MODEL_RULES,
     MODELOPT_REQUIRED_KEYS,
     MOE_ONE_SCHEME,
     VLLM_DSA_INDEX_HEAD_DIM,
@@ -68,6 +67,7 @@ from formats.engines import (
     VLLM_NOAUX_TC,
     align_violations,
     mixed_moe_schemes,
+    model_rules_broken,
 )
 from formats.shards import ShardReader, TensorInfo, read_header
 from quantize import archs
@@ -455,9 +455,8 @@ def _check_sensitive(config: dict, mods: dict[str, _Module], infos: dict, engine
         if role in ("router", "mtp_eh_proj", "embedding"):
             out.append(Finding("error", "sensitive", f"{role} is quantized; engines build it unquantized", m.name))
         roles = archs.module_roles(m.name, modules, config)
-        for r in MODEL_RULES:
-            if r.engine == engine and r.model_type == model_type and r.role in roles:
-                hits.setdefault(r, []).append(m.name)
+        for r in model_rules_broken(engine, model_type, roles):
+            hits.setdefault(r, []).append(m.name)
     for r, names_hit in hits.items():
         out.append(Finding(r.level, "sensitive", f"{len(names_hit)} {r.role} Linear(s) quantized: "
                            f"{r.source}", names_hit[0]))

@@ -89,7 +89,7 @@ DEFAULT_RECIPE = "weight-only"
 MODEL_RECIPES = {"glm5_next": "spark-mixed"}
 """The preset recommended for a ``model_type`` (its ``--recipe`` default): GLM-5.3-Flash keeps
 MLA and KDA in BF16, which vLLM's glm5next model builds without a quant_config
-(``formats.engines.MODEL_RULES``), so weight-only would draw those warnings on every build."""
+(``formats.engines.MODEL_RULES``), so a weight-only plan is refused for ``--engine vllm``."""
 
 
 def default_recipe(config: dict) -> str:

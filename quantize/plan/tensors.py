@@ -15,7 +15,11 @@ Order of precedence, one place:
    quantized", docs/formats.md §A.2.3);
 6. a plan whose routed experts of one MoE layer end in more than one scheme is refused
    (:class:`RecipeError`; the rule ``formats.engines.mixed_moe_schemes`` that ``quantize check``
-   applies to the build).
+   applies to the build);
+7. a plan that quantizes a Linear the engine builds unquantized for this model (an ``error``
+   row of ``formats.engines.MODEL_RULES``, e.g. GLM-5.3-Flash MLA / indexer / KDA on vLLM) is
+   refused (:class:`RecipeError`; ``formats.engines.model_rules_broken``, which ``quantize
+   check`` applies to the build).
 """
 
 from dataclasses import dataclass
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from formats import get_writer
-from formats.engines import MOE_ONE_SCHEME, align_violations, mixed_moe_schemes
+from formats.engines import MOE_ONE_SCHEME, align_violations, mixed_moe_schemes, model_rules_broken
 from formats.sources import LogicalTensor, Source
 from quantize import archs
 from quantize.base.errors import RecipeError
@@ -105,7 +109,9 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
     Raises:
         RecipeError: the recipe splits a fused group (names the group and each member's
             target), or the routed experts of one MoE layer would mix schemes at this TP
-            (names the layer, one expert weight, its target and why).
+            (names the layer, one expert weight, its target and why), or the plan quantizes
+            a Linear ``engine`` builds unquantized for this model (``formats.engines.MODEL_RULES``
+            error rows; names the count per role, the first tensor and the engine source).
     """
     config = source.config
     names = set(source.tensors)
@@ -150,6 +156,7 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
                                    f"fused group {d.group}: {odd[0]} is not {d.target.value} ({why})",
                                    d.group, d.members, d.roles)
     _refuse_mixed_moe(out, source, recipe, tp)
+    _refuse_model_rules(out, config, recipe, engine)
     return out
 
 
@@ -189,6 +196,28 @@ def _refuse_mixed_moe(out: dict[str, Decision], source: Source, recipe: Recipe, 
         f"{d.name} -> {d.target.value} ({d.reason}); {MOE_ONE_SCHEME}, so this build would fail "
         "its final check: choose a --tp that every expert projection splits over, or a recipe "
         "that gives these experts one target", key=prefix)
+
+
+def _refuse_model_rules(out: dict[str, Decision], config: dict, recipe: Recipe, engine: str) -> None:
+    """The ``quantize check`` model rule (``formats.engines.model_rules_broken``, ``error``
+    rows) applied to the plan: a quantized Linear the engine builds unquantized is refused
+    before any shard is written."""
+    hits: dict = {}
+    model_type = str(config.get("model_type", ""))
+    for n, d in sorted(out.items()):
+        if not d.target.quantized:
+            continue
+        for r in model_rules_broken(engine, model_type, d.roles):
+            if r.level == "error":
+                hits.setdefault(r, []).append(d)
+    if not hits:
+        return
+    r, ds = next(iter(hits.items()))
+    more = "".join(f", {len(v)} {k.role}" for k, v in list(hits.items())[1:])
+    raise RecipeError(
+        f"recipe {recipe.name} quantizes {len(ds)} {r.role}{more} Linear(s) of {model_type} that "
+        f"{engine} cannot load: {ds[0].name} -> {ds[0].target.value}; {r.source}. Choose a recipe "
+        f"that keeps them bf16 (spark-mixed)", tensor=ds[0].name)
 
 
 def _refuse_split_groups(out: dict[str, Decision], wanted: dict[str, Target], recipe: Recipe) -> None:

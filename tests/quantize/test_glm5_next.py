@@ -10,6 +10,7 @@ from formats.checkpoint import INDEX_NAME
 from formats.shards import read_header
 from formats.sources import open_source
 from quantize import archs
+from quantize.base.errors import RecipeError
 from quantize.convert.pipeline import convert
 from quantize.inspect.check import check_build
 from quantize.kernels.nvfp4 import dequantize_nvfp4, unpack_e2m1
@@ -17,8 +18,13 @@ from quantize.plan.recipe import load_recipe
 from quantize.plan.tensors import plan_tensors, predicted_bytes
 
 P = "model.language_model.layers"
-PRESETS = ("weight-only", "spark-mixed", "experts-only")
 FORMATS = ("compressed-tensors", "modelopt")
+# (format, preset, engine). vLLM cannot load a weight-only glm5_next build (it builds the MLA,
+# indexer and KDA projections unquantized, formats.engines.MODEL_RULES), so that plan is refused
+# for --engine vllm; the weight-only build here is planned for TensorRT-LLM, which loads
+# ModelOpt W4A16_NVFP4 (its compressed-tensors NVFP4A16 row is an error, so no CT weight-only).
+BUILDS = [(fmt, preset, "vllm") for fmt in FORMATS for preset in ("spark-mixed", "experts-only")] + [
+    ("modelopt", "weight-only", "trtllm")]
 NVFP4_SUFFIXES = {"compressed-tensors": (".weight_packed", ".weight_scale", ".weight_global_scale"),
                   "modelopt": (".weight", ".weight_scale", ".weight_scale_2")}
 
@@ -27,11 +33,10 @@ NVFP4_SUFFIXES = {"compressed-tensors": (".weight_packed", ".weight_scale", ".we
 def builds(glm5_next_src, tmp_path_factory):
     root = tmp_path_factory.mktemp("glm5_builds")
     out = {}
-    for fmt in FORMATS:
-        for preset in PRESETS:
-            folder = root / f"{fmt}-{preset}"
-            out[fmt, preset] = (folder, convert(glm5_next_src, folder, fmt=fmt, recipe=preset,
-                                                progress=False, device="cpu"))
+    for fmt, preset, engine in BUILDS:
+        folder = root / f"{fmt}-{preset}"
+        out[fmt, preset] = (folder, convert(glm5_next_src, folder, fmt=fmt, recipe=preset, engine=engine,
+                                            progress=False, device="cpu"))
     return out
 
 
@@ -43,9 +48,8 @@ def source_module_of(name: str, fmt: str, out_names: set[str]) -> str:
     return name
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("preset", PRESETS)
-def test_every_source_tensor_accounted_for_and_check_clean(builds, glm5_next_src, fmt, preset):
+@pytest.mark.parametrize("fmt,preset,engine", BUILDS)
+def test_every_source_tensor_accounted_for_and_check_clean(builds, glm5_next_src, fmt, preset, engine):
     folder, summary = builds[fmt, preset]
     src = open_source(glm5_next_src)
     idx = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
@@ -53,11 +57,13 @@ def test_every_source_tensor_accounted_for_and_check_clean(builds, glm5_next_src
     assert derived == set(src.tensors)  # nothing dropped, nothing invented (FC-18)
     assert not any(n.endswith("_scale_inv") for n in idx)
     mtp = {n for n in idx if n.startswith(f"{P}.4.")}
-    assert {f"{P}.4.{s}" for s in archs.MTP_EXTRA_TENSORS} <= mtp
-    assert check_build(folder, engine="vllm") == summary.findings
+    # the release's MTP layer: no shared_head.head (vLLM uses lm_head) and no mHC (§A.3.4)
+    assert {f"{P}.4.{s}" for s in archs.MTP_EXTRA_TENSORS if s != "shared_head.head.weight"} <= mtp
+    assert not [n for n in mtp if n.startswith((f"{P}.4.shared_head.head", f"{P}.4.hc_"))]
+    assert check_build(folder, engine=engine) == summary.findings
     assert not [f for f in summary.findings if f.level == "error"]
     # predicted bytes (headers only) == what was written, to the byte
-    decisions = plan_tensors(src, load_recipe(preset))
+    decisions = plan_tensors(src, load_recipe(preset), engine=engine)
     index = json.loads((folder / INDEX_NAME).read_text())
     assert sum(predicted_bytes(src, decisions, fmt).values()) == index["metadata"]["total_size"]
     assert summary.bytes_out == index["metadata"]["total_size"]
@@ -74,7 +80,7 @@ def test_routers_bias_kda_mhc_untouched_in_spark_mixed(builds, glm5_next_src, fm
         assert b.dtype == torch.float32
         assert torch.equal(b.view(torch.int32), src.read_raw(f"{r}.e_score_correction_bias").view(torch.int32))
     for name in (f"{P}.0.hc_attn_fn", f"{P}.0.hc_ffn_base", f"{P}.0.self_attn.q_conv1d.weight",
-                 f"{P}.0.self_attn.A_log", f"{P}.4.hc_attn_scale"):
+                 f"{P}.0.self_attn.A_log", f"{P}.3.hc_attn_scale"):
         raw = src.read_raw(name)
         assert out[name].dtype == raw.dtype and torch.equal(out[name].view(torch.uint8), raw.view(torch.uint8))
     # KDA projections: the FP8 values, dequantized exactly and rounded once to bf16
@@ -91,10 +97,13 @@ def test_routers_bias_kda_mhc_untouched_in_spark_mixed(builds, glm5_next_src, fm
 
 
 def test_every_engine_fusion_group_shares_one_global_scale(builds):
-    """FC-07: enumerate every fused group of the weight-only build from the per-architecture
-    map; each NVFP4 group has one global scale, and it is 2688 / (max member amax)."""
-    for fmt, key in (("compressed-tensors", ".weight_global_scale"), ("modelopt", ".weight_scale_2")):
-        folder, _ = builds[fmt, "weight-only"]
+    """FC-07: enumerate every fused group of a build from the per-architecture map; each NVFP4
+    group has one global scale. The weight-only (TRT-LLM) build quantizes the KDA, MLA and MLP
+    fused groups; spark-mixed only the MLP ones."""
+    for fmt, preset, key, want in (
+            ("modelopt", "weight-only", ".weight_scale_2", {"in_proj_qkvbfg_a", "fused_qkv_a_proj", "gate_up_proj"}),
+            ("compressed-tensors", "spark-mixed", ".weight_global_scale", {"gate_up_proj"})):
+        folder, _ = builds[fmt, preset]
         out = load_all(folder)
         modules = {n[: -len(key)] for n in out if n.endswith(key)}
         seen, kinds = set(), set()
@@ -106,7 +115,7 @@ def test_every_engine_fusion_group_shares_one_global_scale(builds):
             kinds.add(grp[0].rsplit(".", 1)[-1])
             vals = {float(out[m + key]) for m in grp[1]}
             assert len(vals) == 1, grp
-        assert {"in_proj_qkvbfg_a", "fused_qkv_a_proj", "gate_up_proj"} <= kinds
+        assert kinds == want, (fmt, preset)
 
 
 def test_ignore_lists_match_tensors(builds):
@@ -129,14 +138,43 @@ def test_ignore_lists_match_tensors(builds):
             assert hf["exclude_modules"] == qc["ignore"] and hf["quant_algo"] == qc["quant_algo"] == "W4A16_NVFP4"
 
 
-def test_weight_only_gets_the_unconfirmed_vllm_warning_only(builds):
-    _, summary = builds["compressed-tensors", "weight-only"]
-    assert {(f.level, f.kind) for f in summary.findings} == {("warning", "sensitive")}
-    assert any("27 kda Linear(s)" in f.message for f in summary.findings)
+VLLM_WEIGHT_ONLY_REFUSAL = (
+    "recipe weight-only quantizes 27 kda, 2 indexer, 10 mla Linear(s) of glm5_next that vllm cannot "
+    f"load: {P}.0.self_attn.b_proj.weight -> nvfp4; vLLM 0.32 glm5next builds every KDA projection "
+    "with quant_config=None (models/glm5next/common/kda.py:210-216): a quantized KDA projection does "
+    "not load. Choose a recipe that keeps them bf16 (spark-mixed)")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weight_only_is_refused_for_vllm_before_writing(glm5_next_src, tmp_path, fmt):
+    """vLLM 0.32 glm5next builds MLA, indexer (wq_b) and KDA without a quant_config: the plan
+    is refused before any shard is written (27 KDA = 3 layers x 9, 10 MLA = q_a/kv_a/q_b/kv_b/o
+    on layers 3 and 4, 2 indexer wq_b; weights_proj is sensitive and wk follows its group)."""
+    with pytest.raises(RecipeError) as e:
+        convert(glm5_next_src, tmp_path / "out", fmt=fmt, recipe="weight-only", progress=False, device="cpu")
+    assert str(e.value) == VLLM_WEIGHT_ONLY_REFUSAL
+    assert not list((tmp_path / "out").glob("*.safetensors")) if (tmp_path / "out").exists() else True
+
+
+def test_check_names_each_vllm_glm5next_error(builds):
+    """The TRT-LLM weight-only build checked for vLLM: one error per role, exact text."""
+    folder, _ = builds["modelopt", "weight-only"]
+    got = sorted((f.level, f.kind, f.message, f.tensor) for f in check_build(folder, engine="vllm"))
+    assert got == [
+        ("error", "sensitive", "10 mla Linear(s) quantized: vLLM 0.32 glm5next builds the MLA (fused_qkv_a_proj, "
+         "q_b_proj, kv_b_proj, o_proj) with quant_config=None (models/glm5next/common/model.py:397): a "
+         "quantized MLA projection does not load", f"{P}.3.self_attn.kv_b_proj"),
+        ("error", "sensitive", "2 indexer Linear(s) quantized: vLLM 0.32 glm5next builds the DSA indexer "
+         "(wq_b, wk_weights_proj) with quant_config=None (models/glm5next/common/attention.py:229-245): a "
+         "quantized indexer projection does not load", f"{P}.3.self_attn.indexer.wq_b"),
+        ("error", "sensitive", "27 kda Linear(s) quantized: vLLM 0.32 glm5next builds every KDA projection "
+         "with quant_config=None (models/glm5next/common/kda.py:210-216): a quantized KDA projection does "
+         "not load", f"{P}.0.self_attn.g_a_proj"),
+    ]
     # the DSA indexer pair stays high precision: weights_proj is sensitive, wk follows its group
-    out = load_all(builds["compressed-tensors", "weight-only"][0])
+    out = load_all(folder)
     assert out[f"{P}.3.self_attn.indexer.wk.weight"].dtype == torch.bfloat16
-    assert f"{P}.3.self_attn.indexer.wq_b.weight_packed" in out
+    assert out[f"{P}.3.self_attn.indexer.wq_b.weight"].dtype == torch.uint8
 
 
 def test_modelopt_and_ct_builds_agree_up_to_ties(builds):
