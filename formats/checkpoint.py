@@ -111,6 +111,15 @@ FRAMEWORKS = {"tf": "TensorFlow", "flax": "Flax / JAX", "jax": "JAX", "mlx": "ML
 [in, out], MLX stores its own quantization)."""
 
 
+def _index_shards(folder: Path) -> set[str]:
+    """Every shard file name the index names, usable or not (empty when it is unreadable:
+    :func:`scan_index` reports that)."""
+    try:
+        return {str(v) for v in json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
 def folder_findings(folder: Path, weight_map: dict[str, str]) -> list[Finding]:
     """Is the folder what the index says? (docs/faults.md; kind ``index``)
 
@@ -127,8 +136,9 @@ def folder_findings(folder: Path, weight_map: dict[str, str]) -> list[Finding]:
     folder = Path(folder)
     out: list[Finding] = []
     referenced = set(weight_map.values())
+    named = referenced | _index_shards(folder)  # refused entries (a link out, ...) have their own finding
     for p in sorted(folder.glob("*.safetensors")):
-        if p.name in referenced or is_temp_name(p.name) or not p.is_file():
+        if p.name in named or is_temp_name(p.name) or not p.is_file():
             continue
         try:
             names = set(read_header(p))

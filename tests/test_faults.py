@@ -207,7 +207,7 @@ SOURCE_FAULTS = [
      "model.layers.0.mlp.extra.weight"),
     ("int32 scales", _int_scale,
      f"error: [fp8] scale model.layers.0.self_attn.o_proj.weight_scale_inv in {S1} has dtype I32; "
-     "expected F32, BF16 or F16"),
+     "expected F32, BF16, F16 or F8_E8M0"),
     ("NaN scale", _nan_scale,
      f"error: [scale] scale model.layers.0.self_attn.o_proj.weight_scale_inv in {S1} has 1 NaN/Inf "
      "value(s) (first at flat index 0); model.layers.0.self_attn.o_proj.weight cannot be "

@@ -18,7 +18,7 @@ def run(capsys, *args) -> tuple[int, str, str]:
 MOE_TP3 = (
     "error: recipe spark-mixed at TP=3 mixes ['nvfp4', 'unquantized'] in the routed experts of "
     "model.language_model.layers.1.mlp.experts (and 3 more MoE layer(s)): "
-    "model.language_model.layers.1.mlp.experts.0.down_proj.weight -> bf16 (K=64 does not split "
+    "model.language_model.layers.1.mlp.experts.0.down_proj.weight -> bf16 (K=128 does not split "
     "over TP=3); engines load one scheme per MoE layer, so this build would fail its final "
     "check: choose a --tp that every expert projection splits over, or a recipe that gives "
     "these experts one target\n")
