@@ -63,13 +63,13 @@ def test_eval_through_an_openai_compatible_server(served, demo_build, tmp_path):
                "--passkey-trials", "1", "--out", str(out)])
     r = json.loads((out / "report.json").read_text())
     assert rc == 0 and r["gate"]["passed"]
+    # No --baseline: the source the build's manifest records (the demo FP8 source) is the
+    # baseline, evaluated in process, so the drops are measured and only --limit keeps this
+    # from being a release gate.
     assert r["gate"]["release"] is False and r["scope"]["not_release"] == [
-        "--limit 2: only the first 2 problems of each set were scored",
-        "no baseline: no accuracy drop could be measured"]  # gsm8k + passkey is all an endpoint runs
-    assert r["gate"]["skipped"] == ["gsm8k.flexible-extract.drop", "gsm8k.strict-match.drop",
-                                    "passkey.mean.drop", "degenerate.increase"]
-    assert "No baseline: these comparisons were skipped: gsm8k.flexible-extract.drop" in \
-        (out / "report.md").read_text()
+        "--limit 2: only the first 2 problems of each set were scored"]
+    assert "gsm8k.flexible-extract.drop" not in r["gate"]["skipped"]
+    assert "No baseline" not in (out / "report.md").read_text()
     assert r["backend"] == {**r["backend"], "build": "endpoint", "endpoint": served, "device": "endpoint"}
     assert r["backend"]["endpoint_model"] == str(demo_build)  # first id of GET /v1/models
     g = r["suites"]["gsm8k"]
