@@ -258,6 +258,30 @@ def _mo_excluded(module: str, excludes: list[str]) -> bool:
     return False
 
 
+_WEIGHT_ARGS = ("num_bits", "type", "strategy", "group_size", "block_structure", "symmetric")
+"""The ``weights`` quantization arguments of a config group that decide how an engine
+reads its tensors."""
+
+
+def _ct_group_args(groups: dict, fmt: str | None) -> list[Finding]:
+    """Each config group's ``weights`` arguments against what the writer states for its
+    format (:func:`formats.compressed_tensors.quantization_config`, the one statement of the
+    layout): an ``nvfp4-pack-quantized`` group with 8 bits or group size 32 would be misread."""
+    by_format = {f: k for k, f in compressed_tensors.GROUP_FORMATS.items()}
+    out = []
+    for name, g in sorted(groups.items()):
+        kind = by_format.get(g.get("format") or fmt)
+        if kind is None or not isinstance(g.get("weights"), dict):
+            continue
+        ref = compressed_tensors.quantization_config({"m": kind}, [])["config_groups"]["group_0"]["weights"]
+        bad = [f"{k} {g['weights'].get(k)!r} (the {kind} layout has {ref.get(k)!r})"
+               for k in _WEIGHT_ARGS if g["weights"].get(k) != ref.get(k)]
+        if bad:
+            out.append(Finding("error", "config", f"config_groups.{name}.weights: " + "; ".join(bad),
+                               "config.json"))
+    return out
+
+
 def _check_ct(qc: dict, mods: dict[str, _Module], engine: str, out: list) -> set[str]:
     if qc.get("quantization_status") != "compressed":
         out.append(Finding("error", "config", f"quantization_status is {qc.get('quantization_status')!r}, "
@@ -271,6 +295,7 @@ def _check_ct(qc: dict, mods: dict[str, _Module], engine: str, out: list) -> set
     if fmt != expect:
         out.append(Finding("error", "config", f"format {fmt!r} but the tensors need {expect!r}", "config.json"))
     _support(engine, "compressed-tensors", fmt, out)
+    out += _ct_group_args(groups, fmt)
     if engine == "trtllm" and fmt == "mixed-precision" and any(
             not t.startswith("re:") and "." not in t for g in groups.values() for t in g.get("targets", [])):
         out.append(Finding("error", "config", "TRT-LLM rejects class-name targets in mixed configs",

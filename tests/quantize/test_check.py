@@ -335,3 +335,16 @@ def test_vllm_ignores_modelopt_kv_scales_on_mla_and_hf_only_kv_setting(build):
     got = [f for f in kv_findings(build) if f[0] == "warning"]
     assert got == [(*hf_only[:3], hf_only[3] + f", and with --kv-cache-dtype fp8 {SCALE_1} "
                     "(MIXED_PRECISION attaches no KV method)"), mla_kv_warning(f"{p}.k_proj.k_scale")]
+
+
+@pytest.mark.parametrize("build", ["compressed-tensors"], indirect=True)
+def test_ct_group_weight_args_must_be_the_writers(build):
+    """An nvfp4-pack-quantized group that says 8 bits / group size 32 passed before; engines
+    would misread the packed tensors."""
+    def edit(d):
+        d["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8, group_size=32)
+
+    edit_json(build / "config.json", edit)
+    found = [(f.level, f.kind, f.message) for f in check_build(build) if f.kind == "config"]
+    assert found == [("error", "config", "config_groups.group_0.weights: num_bits 8 (the nvfp4 layout "
+                      "has 4); group_size 32 (the nvfp4 layout has 16)")]
