@@ -217,7 +217,9 @@ def cpu_nvfp4_linear_shim():
     import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 as ct
     import vllm.model_executor.layers.quantization.modelopt as mo
     from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearLayerConfig
-    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import (
+        EmulationNvFp4LinearKernel,
+    )
 
     def emulation(use_a16: bool = False):
         return EmulationNvFp4LinearKernel(NvFp4LinearLayerConfig())
@@ -241,7 +243,9 @@ def cpu_fp8_block_shim():
     (vllm/model_executor/kernels/linear/scaled_mm/cpu.py:241); without it no kernel can be
     chosen and the layer cannot be built. Declare the W8A16 one supported: the parameters
     (weight + weight_scale_inv) come from Fp8LinearMethod.create_weights, not the kernel."""
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import (
+        CPUFp8BlockScaledMMKernel,
+    )
 
     CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, cc=None: (True, None))
 

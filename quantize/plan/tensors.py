@@ -27,7 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from formats import get_writer
-from formats.engines import MOE_ONE_SCHEME, align_violations, mixed_moe_schemes, model_rules_broken
+from formats.engines import (
+    MOE_ONE_SCHEME,
+    align_violations,
+    mixed_moe_schemes,
+    model_rules_broken,
+)
 from formats.sources import LogicalTensor, Source
 from quantize import archs
 from quantize.base.errors import RecipeError
