@@ -75,9 +75,12 @@ def test_eval_through_an_openai_compatible_server(served, demo_build, tmp_path):
     g = r["suites"]["gsm8k"]
     assert g["build"]["n"] == 2 and g["settings"]["chat_template"]
     rows = [json.loads(x) for x in (out / "gsm8k_samples.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(isinstance(x["response"], str) and x["response"] for x in rows)
+    assert sorted(x["model"] for x in rows) == ["baseline", "baseline", "build", "build"]  # paired
+    assert all(isinstance(x["response"], str) and x["response"] for x in rows)
     recs = [json.loads(x) for x in (out / "passkey_records.jsonl").read_text().splitlines()]
-    assert len(recs) == 2 and all(x["completion"] for x in recs)
+    assert sorted((x["model"], x["depth"]) for x in recs) == [
+        ("baseline", 0), ("baseline", 100), ("build", 0), ("build", 100)]
+    assert all(x["completion"] for x in recs)
     assert r["suites"]["passkey"]["build"]["mean"] == 1.0  # the served build finds the key
 
 
