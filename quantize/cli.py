@@ -144,6 +144,15 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     _check_workers(args.workers, src)
     if args.resume and (out / MANIFEST_NAME).is_file():  # finished: nothing to resume, keep it
         if not rank:
+            # the manifest is written last, then the ledgers go: a kill in between leaves
+            # ledgers (and a temp file) that are not part of the build
+            from formats.manifest import remove_ledgers
+            from formats.shards import is_temp_name
+
+            remove_ledgers(out)
+            for p in out.iterdir():
+                if p.is_file() and is_temp_name(p.name):
+                    p.unlink()
             print(f"{out} is already complete (it has its {MANIFEST_NAME}): nothing to resume, "
                   f"the build is kept as it is; `quantize verify {out}` checks it, and a new "
                   "build needs an empty --out")

@@ -232,6 +232,12 @@ def test_resume_on_a_finished_build_keeps_it(tiny_fp8_llama, tmp_path, capsys):
                                     "nothing to resume, the build is kept as it is; `quantize verify "
                                     f"{out}` checks it, and a new build needs an empty --out\n", "")
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
+    # killed after the manifest but before the ledgers went: the leftovers go, the build stays
+    (out / ".spark-quant-progress.rank0.json").write_text("{}")
+    (out / ".tmpK9x2Qa").write_bytes(b"x")
+    assert run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", out, "--device", "cpu", "--quiet",
+               "--resume")[0] == 0
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == before
 
 
 # ---- item 8: what a published card says -------------------------------------------------------
