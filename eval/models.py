@@ -199,15 +199,7 @@ def dequantized_reference_state(folder: str | Path,
         RuntimeError: an NVFP4 triple is incomplete (one or two of the three tensors), or
             the folder has no safetensors files.
     """
-    from safetensors.torch import load_file
-
-    shards = sorted(Path(folder).glob("*.safetensors"))
-    if not shards:
-        raise RuntimeError(f"{folder} has no .safetensors files")
-    raw: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        raw.update(load_file(str(shard)))
-    return _dequantize_nvfp4_state(raw, weight_dtype)
+    return _dequantize_nvfp4_state(_read_shards(Path(folder)), weight_dtype)
 
 
 def _dequantize_nvfp4_state(raw: dict[str, torch.Tensor],
