@@ -27,6 +27,8 @@ input is missing (source, calibration statistics, W4A4 build) first makes it, so
 line works on a fresh machine too:
 
 - ``gen``: write the source (``--home``/src); prints the size plan and the disk it needs first.
+- ``plain-io``: a plain read of the source shards (page cache dropped first) and a write of
+  the same bytes (fsync), the floor a conversion is compared with.
 - ``convert-{ct,mo}-{wo,mixed}``: ``quantize nvfp4`` in compressed-tensors / modelopt with the
   weight-only / spark-mixed recipe; the build is deleted once measured.
 - ``calibrate``: ``quantize calibrate --dataset random`` (``--samples`` x ``--seq-len`` tokens).
@@ -67,7 +69,7 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-STEPS = ("gen", "convert-ct-wo", "convert-ct-mixed", "convert-mo-wo", "convert-mo-mixed",
+STEPS = ("gen", "plain-io", "convert-ct-wo", "convert-ct-mixed", "convert-mo-wo", "convert-mo-mixed",
          "calibrate", "w4a4", "check", "verify", "plan", "scales-mse", "scales-mse-act", "gptq",
          "report")
 # weight-only quantizes the KDA projections, which vLLM's glm5next cannot load (the converter
@@ -482,23 +484,22 @@ def shard_times(events: list[tuple[float, str]]) -> dict[str, float]:
 
 
 def split_warmup(per_layer: dict[str, float], nbytes: dict[str, int]) -> tuple[dict[str, float], float]:
-    """Take kernel compilation out of the per-layer times: the first decoder layer converted
-    carries the JIT compile of the quantization kernels (Triton / inductor). When its rate
-    (bytes per second) is below half the median rate of the other layers, its time is set
-    to its bytes at that median rate and the excess is returned as warm-up (a fixed cost)."""
-    layers = [g for g in per_layer if g.startswith("layer.")]
+    """Take kernel compilation out of the per-layer times: the layer on which the converter
+    first meets a tensor shape compiles the quantization kernels for it (Triton / inductor),
+    which the full model pays once, not per layer. A layer whose rate (bytes per second) is
+    below half the median rate of all layers gets its bytes at that median rate; the excess
+    is returned as warm-up (a fixed cost). Needs three layers or more."""
+    layers = [g for g in per_layer if g.startswith("layer.") and per_layer[g] > 0]
     if len(layers) < 3:
         return per_layer, 0.0
-    first, rest = layers[0], layers[1:]
-    rates = sorted(nbytes[g] / per_layer[g] for g in rest if per_layer[g] > 0)
-    if not rates or per_layer[first] <= 0:
-        return per_layer, 0.0
+    rates = sorted(nbytes[g] / per_layer[g] for g in layers)
     median = rates[len(rates) // 2]
-    if nbytes[first] / per_layer[first] >= median / 2:
-        return per_layer, 0.0
-    fixed = nbytes[first] / median
-    out = dict(per_layer, **{first: fixed})
-    return out, per_layer[first] - fixed
+    out, warm = dict(per_layer), 0.0
+    for g in layers:
+        if nbytes[g] / per_layer[g] < median / 2:
+            out[g] = nbytes[g] / median
+            warm += per_layer[g] - out[g]
+    return out, warm
 
 
 def calib_layer_times(events: list[tuple[float, str]]) -> tuple[float | None, list[float]]:
@@ -672,6 +673,30 @@ class Rehearsal:
                      "shards": info["shards"], "gb_per_s": round(info["bytes"] / GB / wall, 3),
                      "full_source_gb": round(full_b / GB, 1)})
 
+    def step_plain_io(self):
+        """Read every source shard (64 MiB reads, its pages dropped from the page cache first)
+        and write the same bytes to one file (fsync at the end); GB/s of source bytes."""
+        self.ensure_source()
+        self._make_room(None, self.layout()["bytes"] + int(self.a.work_gb * GB))
+        tmp = self.home / "plain-io.tmp"
+        shards = sorted(self.src.glob("model-*.safetensors"))
+        total, t0 = 0, time.perf_counter()
+        with open(tmp, "wb") as w:
+            for shard in shards:
+                with open(shard, "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    while chunk := f.read(64 << 20):
+                        w.write(chunk)
+                        total += len(chunk)
+            w.flush()
+            os.fsync(w.fileno())
+        wall = time.perf_counter() - t0
+        tmp.unlink()
+        _, full_b = self.full_bytes()
+        self.record({"step": "plain-io", "rc": 0, "wall_s": round(wall, 2), "read_gb": round(total / GB, 2),
+                     "write_gb": round(total / GB, 2), "gb_per_s": round(total / GB / wall, 3),
+                     "projected_full_s": round(full_b / (total / wall), 1), "projection": "bytes"})
+
     def _measure(self, step: str, args: list[str], per_layer_from: str | None, scale_rule: str,
                  extra: dict | None = None, record: bool = True) -> dict:
         """Run the CLI, derive per-layer times and the full-model projection, record (unless
@@ -687,11 +712,12 @@ class Rehearsal:
         counts = full_kind_counts(full_schedule())
         src_b, full_b = self.full_bytes()
         per_layer: dict[str, float] = {}
-        fixed, warmup = r["wall_s"], 0.0
+        fixed, warmup, raw = r["wall_s"], 0.0, {}
         if per_layer_from == "shards":
             for shard, secs in shard_times(events).items():
                 g = lay["group_shards"].get(shard, "other")
                 per_layer[g] = per_layer.get(g, 0.0) + secs
+            raw = dict(per_layer)
             per_layer, warmup = split_warmup(per_layer, lay["groups"])
             # start-up, the non-layer shards (embeddings, head, vision) and the final checks
             fixed = r["wall_s"] - sum(t for g, t in per_layer.items() if g.startswith("layer."))
@@ -712,6 +738,7 @@ class Rehearsal:
                "read_gb": r["read_gb"], "write_gb": r["write_gb"], "rchar_gb": r["rchar_gb"],
                "wchar_gb": r["wchar_gb"], "fixed_s": round(fixed, 2), "warmup_s": round(warmup, 2),
                "layer_s": {g: round(t, 2) for g, t in per_layer.items()}, "kind_s": kind_s,
+               **({"layer_s_raw": {g: round(t, 2) for g, t in raw.items()}} if warmup else {}),
                "projected_full_s": round(proj, 1), "projection": per_layer_from or scale_rule,
                "cmd": "quantize " + " ".join(args), **(extra or {})}
         if r["rc"] != 0:
@@ -730,10 +757,12 @@ class Rehearsal:
                 shutil.rmtree(out)
         return res
 
-    def _make_room(self, out: Path):
-        """Delete other builds when the next one would not fit (free < largest build + work)."""
-        need = self.layout()["build_bytes"] + int(self.a.work_gb * GB)
-        if out.exists():
+    def _make_room(self, out: Path | None, need: int | None = None):
+        """Delete other builds when the next one would not fit (free < ``need``, default the
+        largest build + work space)."""
+        if need is None:
+            need = self.layout()["build_bytes"] + int(self.a.work_gb * GB)
+        if out is not None and out.exists():
             shutil.rmtree(out)
         if self.builds.is_dir():
             for b in sorted(self.builds.iterdir()):
@@ -827,7 +856,8 @@ class Rehearsal:
                   f"{list(self.layers)} of 45 + MTP (scale-down {self.a.scale_down}); source "
                   f"{src_b / GB:.1f} GB, full model {full_b / GB:.1f} GB. Projection: fixed costs once + "
                   "per-layer time of each kind x its count in the full schedule "
-                  f"{full_kind_counts(full_schedule())} (or x bytes where no layer time exists)."), "",
+                  f"{full_kind_counts(full_schedule())}; steps without layer times scale by bytes, start-up "
+                  "included (an upper bound, marked <=)."), "",
                  ("| step | rc | wall s | peak RSS GiB | peak GPU GiB | read GB | written GB | s per layer kind | "
                   "projected full model |"), "|---|---|---|---|---|---|---|---|---|"]
         for step in STEPS:
@@ -839,16 +869,22 @@ class Rehearsal:
                 continue
             proj = r.get("projected_full_s")
             kinds = ", ".join(f"{k} {v}" for k, v in (r.get("kind_s") or {}).items() if v is not None)
-            if step == "gen":
+            if step in ("gen", "plain-io"):
                 kinds = f"{r.get('gb_per_s')} GB/s"
-            lines.append(f"| {step} | {r.get('rc')} | {r.get('wall_s')} | {r.get('peak_rss_gib', '')} | "
-                         f"{r.get('peak_gpu_gib', '')} | {r.get('read_gb', '')} | "
-                         f"{r.get('write_gb', r.get('source_gb', ''))} | {kinds} | "
-                         f"{'' if proj is None else f'{proj / 60:.1f} min'} |")
+            if r.get("warmup_s"):
+                kinds += f" (warm-up {r['warmup_s']} s once)"
+            io = res.get("plain-io", {}).get("projected_full_s")
+            vs_io = f" ({proj / io:.2f}x plain I/O)" if step.startswith("convert") and proj and io else ""
+            cells = [step, r.get("rc"), r.get("wall_s"), r.get("peak_rss_gib"), r.get("peak_gpu_gib"),
+                     r.get("read_gb"), r.get("write_gb", r.get("source_gb")), kinds,
+                     None if proj is None else
+                     f"{'<= ' if r.get('projection') == 'bytes' and step != 'plain-io' else ''}"
+                     f"{proj / 60:.1f} min{vs_io}"]
+            lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
         return "\n".join(lines) + "\n"
 
     def run(self, steps: list[str]):
-        dispatch = {"gen": self.step_gen, "calibrate": self.step_calibrate, "w4a4": self.step_w4a4,
+        dispatch = {"gen": self.step_gen, "plain-io": self.step_plain_io, "calibrate": self.step_calibrate, "w4a4": self.step_w4a4,
                     "check": self.step_check, "verify": self.step_verify, "plan": self.step_plan,
                     "gptq": self.step_gptq}
         for step in steps:

@@ -99,10 +99,13 @@ def test_layer_times_from_progress_lines():
 
 
 def test_warmup_split_and_projection():
-    per = {"other": 1.0, "layer.0": 10.0, "layer.1": 2.0, "layer.2": 2.0, "layer.3": 3.0}
+    # layer 1 compiled the kernels: 4 bytes in 20 s against a median of 2 bytes/s
+    per = {"other": 1.0, "layer.0": 1.0, "layer.1": 20.0, "layer.2": 2.0, "layer.3": 3.0}
     nbytes = {"other": 5, "layer.0": 2, "layer.1": 4, "layer.2": 4, "layer.3": 6}
     out, warm = rh.split_warmup(per, nbytes)
-    assert out["layer.0"] == 1.0 and warm == 9.0 and out["layer.1"] == 2.0
+    assert out == {"other": 1.0, "layer.0": 1.0, "layer.1": 2.0, "layer.2": 2.0, "layer.3": 3.0}
+    assert warm == 18.0
+    assert rh.split_warmup(out, nbytes) == (out, 0.0)  # nothing slow: unchanged
     kinds = {0: "dense+kda", 1: "sparse+mla", 2: "sparse+kda", 3: "mtp"}
     counts = {"dense+kda": 3, "sparse+mla": 11, "sparse+kda": 31, "mtp": 1}
     total, by_kind = rh.project(out, kinds, counts, fixed=20.0)
