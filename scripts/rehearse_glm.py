@@ -5,6 +5,17 @@ real dimensions, then every step of the job, each measured and projected to the 
     PYTHONPATH=$HOME/sq:$PWD python3 scripts/rehearse_glm.py --steps report
     python scripts/rehearse_glm.py --scale-down 16 --device cpu --steps all   # a local trial
 
+On the H200 machine (16 cores, 64 GiB disk, each command under 8 minutes; a fresh machine
+regenerates the source first, about a minute):
+
+    rehearse_glm.py --steps gen,plain-io,convert-ct-mixed,convert-mo-mixed,convert-ct-wo,convert-mo-wo,report
+    rehearse_glm.py --steps gen,calibrate,w4a4,check,plan,verify,report
+    rehearse_glm.py --seed-from rehearse_seed --steps scales-mse,scales-mse-act,gptq,report
+
+(``rehearse_seed``: the second command's $OUT copied into the repository, for its
+calibration statistics.) No step starts after ``--stop-after-s`` (300 s) and a running one
+is killed at ``--hard-limit-s`` (450 s), its partial per-layer times still recorded.
+
 THIS IS A TRUNCATED REHEARSAL. The source holds a few decoder layers of each kind the real
 ``glm5_next`` layer schedule has (by default layer 0 = dense MLP + KDA, layer 3 = MoE + MLA/DSA,
 layer 4 = MoE + KDA, in the order of the full model) plus the MTP layer, the embeddings, the
@@ -925,9 +936,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gptq-args", default="", help="extra arguments for the gptq step")
     p.add_argument("--stop-after-s", type=float, default=300.0,
                    help="start no further step after this many seconds (default 300)")
-    p.add_argument("--hard-limit-s", type=float, default=470.0,
-                   help="kill a running step so the whole command ends by then (default 470)")
-    p.add_argument("--step-timeout-s", type=float, default=470.0)
+    p.add_argument("--hard-limit-s", type=float, default=450.0,
+                   help="kill a running step so the whole command ends by then (default 450)")
+    p.add_argument("--step-timeout-s", type=float, default=450.0)
     p.add_argument("--redo", action="store_true", help="run recorded steps again")
     p.add_argument("--seed-from", help="a previous command's $OUT (results, calib/) to start from")
     p.add_argument("--force", action="store_true", help="write the source even if the disk plan fails")
