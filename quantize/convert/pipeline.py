@@ -20,6 +20,7 @@ freed memory kept for the next ones) plus a few prepared tensors and one fused g
 whatever the model size.
 """
 
+import functools
 import json
 import math
 import os
@@ -67,7 +68,13 @@ from quantize.inspect.preflight import ABSURD_AMAX, MIN_AMAX, preflight
 from quantize.kernels import SCALE_METHODS
 from quantize.kernels.dtypes import count_bytes
 from quantize.kernels.fp8 import quantize_fp8_block
-from quantize.kernels.fused import Prepared, choose_backend, prepare_float, prepare_fp8
+from quantize.kernels.fused import (
+    Prepared,
+    choose_backend,
+    prepare_float,
+    prepare_fp8,
+    warm_up,
+)
 from quantize.kernels.mxfp8 import quantize_mxfp8
 from quantize.kernels.scale_search import quantize_nvfp4_search
 from quantize.plan.activations import (
@@ -719,7 +726,8 @@ def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions |
     if opts.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {opts.workers}")
     if opts.workers > 1 and current_world().size == 1:
-        return spawn_local(opts.workers, convert, dict(src=_local_folder(src), out=out, options=opts))
+        return spawn_local(opts.workers, convert, dict(src=_local_folder(src), out=out, options=opts),
+                           warm=functools.partial(_warm_kernels, opts))
     t0 = time.perf_counter()
     world, out = current_world(), Path(out)
     rec, writer = load_recipe(opts.recipe), get_writer(opts.fmt)
@@ -732,6 +740,20 @@ def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions |
     result = _run_ranks(plan, out, opts, dev, world)
     plan.notes += _data_notes([result.stats[s] for s in plan.job.out_shards])
     return _on_rank_0(world, lambda: _finish(plan, out, opts, result, t0))
+
+
+def _warm_kernels(opts: ConvertOptions) -> None:
+    """In each worker before its shards: the inductor graphs the options will run
+    (quantize.kernels.fused.warm_up), compiled by the first worker and loaded by the rest.
+    Options that cannot run are left for :func:`convert` to refuse with its own error."""
+    try:
+        dev = _resolve_device(opts.device, current_world())
+        backend = choose_backend(opts.kernel, dev)
+        order = get_writer(opts.fmt).NVFP4_ORDER
+    except Exception:
+        return
+    if backend == "inductor" and opts.scales == "rtn":
+        warm_up(order)
 
 
 def _preflight(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType) -> tuple:
