@@ -256,3 +256,17 @@ def test_workers_die_with_a_killed_parent(moe, tmp_path):
     assert alive == [], f"workers {alive} outlived their parent"
     time.sleep(1.0)
     assert not (out / MANIFEST_NAME).exists()
+
+
+def test_auto_workers_keeps_small_gpu_and_streamed_sources_in_one_process(moe, monkeypatch):
+    from quantize.cli import _auto_workers
+
+    src, _ = moe
+    assert _auto_workers(src, "cpu", "auto") == 1  # 4 small shards: under 2 GiB a worker
+    monkeypatch.setattr("quantize.convert.parallel.MIN_BYTES_PER_WORKER", 1)
+    monkeypatch.setattr("quantize.convert.parallel.usable_cores", lambda: list(range(16)))
+    assert _auto_workers(src, "cpu", "auto") == 4  # one shard a worker at most
+    assert _auto_workers(src, "cuda", "auto") == 1 and _auto_workers(src, "cpu", "triton") == 1
+    assert _auto_workers("org/repo", "cpu", "auto") == 1  # a Hub source streams in one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _auto_workers(src, "cpu", "auto") == 1  # torchrun ranks divide the shards
