@@ -37,7 +37,14 @@ from tqdm.auto import tqdm
 
 from formats import SCHEMES, get_writer
 from formats.calib_stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
-from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
+from formats.checkpoint import (
+    INDEX_NAME,
+    carry_files,
+    load_index,
+    scan_headers,
+    write_index,
+    write_json_atomic,
+)
 from formats.manifest import (
     MANIFEST_NAME,
     PROGRESS_NAME,
@@ -69,6 +76,7 @@ from quantize.kernels import SCALE_METHODS
 from quantize.kernels.dtypes import count_bytes
 from quantize.kernels.fp8 import quantize_fp8_block
 from quantize.kernels.fused import (
+    MIN_COMPILED_ELEMENTS,
     Prepared,
     choose_backend,
     prepare_float,
@@ -727,7 +735,7 @@ def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions |
         raise ValueError(f"--workers must be at least 1, got {opts.workers}")
     if opts.workers > 1 and current_world().size == 1:
         return spawn_local(opts.workers, convert, dict(src=_local_folder(src), out=out, options=opts),
-                           warm=functools.partial(_warm_kernels, opts))
+                           warm=functools.partial(_warm_kernels, opts, _local_folder(src)))
     t0 = time.perf_counter()
     world, out = current_world(), Path(out)
     rec, writer = load_recipe(opts.recipe), get_writer(opts.fmt)
@@ -742,14 +750,20 @@ def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions |
     return _on_rank_0(world, lambda: _finish(plan, out, opts, result, t0))
 
 
-def _warm_kernels(opts: ConvertOptions) -> None:
+def _warm_kernels(opts: ConvertOptions, src: Path) -> None:
     """In each worker before its shards: the inductor graphs the options will run
-    (quantize.kernels.fused.warm_up), compiled by the first worker and loaded by the rest.
-    Options that cannot run are left for :func:`convert` to refuse with its own error."""
+    (quantize.kernels.fused.warm_up), compiled by the first worker and loaded by the rest;
+    nothing when no tensor of ``src`` is large enough for them (``--kernel auto`` gives those
+    to the reference). Options or a source that cannot run are left for :func:`convert` to
+    refuse with its own error."""
     try:
         dev = _resolve_device(opts.device, current_world())
         backend = choose_backend(opts.kernel, dev)
         order = get_writer(opts.fmt).NVFP4_ORDER
+        if backend == "inductor" and opts.kernel == "auto":
+            infos, _ = scan_headers(src, load_index(src, check_files=False))
+            if not any(math.prod(i.shape) >= MIN_COMPILED_ELEMENTS for i in infos.values()):
+                return
     except Exception:
         return
     if backend == "inductor" and opts.scales == "rtn":

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,20 @@ def test_auto_workers_keeps_small_gpu_and_streamed_sources_in_one_process(moe, m
     assert _auto_workers("org/repo", "cpu", "auto") == 1  # a Hub source streams in one process
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert _auto_workers(src, "cpu", "auto") == 1  # torchrun ranks divide the shards
+
+
+@pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")
+def test_workers_warm_the_compiled_kernels_only_when_they_will_run(moe, monkeypatch):
+    from quantize.convert import pipeline
+
+    src, _ = moe
+    calls = []
+    monkeypatch.setattr(pipeline, "warm_up", calls.append)
+    opts = pipeline.ConvertOptions(device="cpu")
+    pipeline._warm_kernels(opts, src)  # auto: every weight of the fixture is under 2^20 elements
+    pipeline._warm_kernels(replace(opts, kernel="reference"), src)
+    pipeline._warm_kernels(replace(opts, kernel="inductor", scales="mse"), src)
+    assert calls == []
+    pipeline._warm_kernels(replace(opts, kernel="inductor"), src)
+    pipeline._warm_kernels(replace(opts, kernel="inductor", fmt="modelopt"), src)
+    assert calls == ["global", "scale_2"]
