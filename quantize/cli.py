@@ -104,6 +104,36 @@ def _recipe_name(recipe: str | None, src) -> str:
     return default_recipe(config if isinstance(config, dict) else {})
 
 
+def _auto_workers(src, device: str, kernel: str) -> int:
+    """``--workers auto``: quantize.convert.parallel.default_workers for a CPU conversion of a
+    local folder (its shards, this process's cores, the available memory); 1 on a GPU, for a
+    streamed Hub source, and under torchrun (the ranks divide the shards)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or not (isinstance(src, Path) and src.is_dir()):
+        return 1
+    if kernel == "triton" or device.startswith("cuda"):
+        return 1
+    if device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return 1
+    from formats.checkpoint import load_index
+    from quantize.convert.parallel import (
+        available_memory,
+        default_workers,
+        usable_cores,
+    )
+
+    try:
+        shards = sorted(set(load_index(src, check_files=False).values()))
+        sizes = [(src / s).stat().st_size for s in shards]
+    except (OSError, ValueError, SparkQuantError):
+        return 1  # the conversion's pre-flight reports what is wrong with the source
+    return default_workers(len(usable_cores()), available_memory(), sizes)
+
+
 def _check_workers(workers: int, src) -> None:
     """Refuse more --workers than CPU cores or source shards: each worker is a process that
     converts a share of the shards, so more only wait (and a thousand start a thousand)."""
@@ -141,6 +171,8 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     init_from_env()  # under torchrun: one rank of several
     rank = current_world().rank
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source)
+    if args.workers == "auto":
+        args.workers = _auto_workers(src, args.device, args.kernel)
     _check_workers(args.workers, src)
     if args.resume and (out / MANIFEST_NAME).is_file():  # finished: nothing to resume, keep it
         if not rank:
@@ -313,6 +345,13 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="vllm", choices=ENGINES)
 
 
+def _auto_or(parse):
+    """argparse ``type``: the word ``auto``, or what ``parse`` accepts."""
+    def parse_auto(text: str):
+        return "auto" if text == "auto" else parse(text)
+    return parse_auto
+
+
 def _int_at_least(low: int):
     """argparse ``type``: an integer >= ``low``."""
     def parse(text: str) -> int:
@@ -452,9 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--kernel", default="auto", choices=BACKENDS,
                    help="quantization kernel: inductor (CPU, compiled) or triton (CUDA); "
                         "reference is plain PyTorch; all write the same bytes")
-    n.add_argument("--workers", type=_int_at_least(1), default=1,
-                   help="processes on this machine, shards divided among them (under torchrun "
-                        "the ranks divide the shards instead)")
+    n.add_argument("--workers", type=_auto_or(_int_at_least(1)), default="auto",
+                   help="processes on this machine, shards divided among them, each owning "
+                        "cores / N cores (under torchrun the ranks divide the shards instead). "
+                        "auto (default): on CPU, min(cores / 2, shards, source GiB / 2, "
+                        "(available memory - 2 GiB) / (1 GiB + 3 x the largest shard)), at "
+                        "least 1; 1 on a GPU or for a streamed Hub source")
     n.add_argument("--resume", action="store_true",
                    help="continue an interrupted build in --out; finished shards are kept")
     n.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -16,13 +16,22 @@ On one synthetic block-FP8 checkpoint shaped like GLM-5.3-Flash routed experts (
   that option the line says it was not run;
 - the demo (SmolLM2-135M as block FP8), if it is built;
 - peak RSS at 4 and at 16 shards of equal size (flat: FC-04);
-- a projection of the time for a 306 GiB checkpoint.
+- a projection of the time for a 306 GiB checkpoint;
+- with ``--scaling 1,2,4,8``: the conversion at each worker count (each worker owns
+  cores / N cores; quantize/convert/parallel.py), its rate, ratio to the plain read + write
+  above and to the first count, CPU seconds, the workers' start-up, and whether its shards
+  equal the first count's byte for byte.
 
 ``--out-dir DIR`` writes the printed table to ``DIR/bench_convert_<device>.txt`` and the raw
 numbers to ``DIR/bench_convert_<device>.json`` as well.
 
     python scripts/bench_convert.py --device cpu --size-gb 4 --reference-gb 1 \\
         --llmc-python /work/venv-llmc/bin/python --llmc-gb 0.3
+
+Scaling on a 16-core box (32 shards, so 1, 2, 4, 8 and 16 workers get equal shares):
+
+    python3 scripts/bench_convert.py --device cpu --size-gb 9.66 --workers 1 \
+        --scaling 1,2,4,8,16 --reference-gb 0.3 --skip-rss --out-dir "$OUT"
 
 On a bare GPU box whose python lacks compressed-tensors (the writer's schema classes), carry
 the wheels listed in ``DEVICE_WHEELS`` (``pip download --no-deps`` them into ``.whl/``, a
@@ -75,7 +84,7 @@ def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
-src, out, device, kernel, workers = sys.argv[1:6]
+src, out, device, kernel, workers, alone = sys.argv[1:7]
 dev = torch.device(device)
 backend = choose_backend(kernel, dev, MIN_COMPILED_ELEMENTS)
 # one-time costs, reported apart: imports, CUDA context, kernel compilation (disk-cached)
@@ -88,10 +97,12 @@ def cpu():  # this process and its workers, user + system
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
-c0 = cpu()
+c0, w0 = cpu(), time.perf_counter()
 s = convert(src, out, progress=False, device=device, kernel=kernel, workers=int(workers))
-c1 = cpu()
+c1, wall = cpu(), time.perf_counter() - w0  # wall: with the workers' start-up
 gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+import resource
+worker_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # largest worker
 
 # the kernel alone on one expert's weights (in memory, host to host like the converter)
 g = torch.Generator().manual_seed(0)
@@ -104,12 +115,15 @@ def once():
         p = prepare_fp8(wq, sc, (128, 128), backend, device=dev)
         p.quantize(global_scale_from_amax(p.amax.cpu()))
     sync()
-once()
-times = []
-for _ in range(5):
-    t = time.perf_counter(); once(); times.append(time.perf_counter() - t)
-kernel_rate = sum(wq.numel() for wq, _ in ws) / sorted(times)[2] / 1e9
-print(json.dumps({"peak_rss": peak_rss(), "peak_gpu": gpu, "seconds": s.seconds,
+kernel_rate = None
+if alone == "1":
+    once()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter(); once(); times.append(time.perf_counter() - t)
+    kernel_rate = sum(wq.numel() for wq, _ in ws) / sorted(times)[2] / 1e9
+print(json.dumps({"peak_rss": peak_rss(), "peak_gpu": gpu, "seconds": s.seconds, "wall": wall,
+                  "peak_rss_worker": max(peak_rss(), worker_rss),
                   "startup": startup, "elements": s.elements_quantized, "bytes_in": s.bytes_in,
                   "cpu_seconds": c1 - c0, "stages": getattr(s, "stage_seconds", {}),
                   "stages_cpu": getattr(s, "stage_cpu_seconds", {}), "backend": backend,
@@ -203,8 +217,10 @@ def run_json(cmd: list[str]) -> dict:
     return out
 
 
-def run_convert(src: Path, out: Path, device: str, kernel: str = "auto", workers: int = 1) -> dict:
-    return run_json([sys.executable, "-c", PROBE, str(src), str(out), device, kernel, str(workers)])
+def run_convert(src: Path, out: Path, device: str, kernel: str = "auto", workers: int = 1,
+                kernel_alone: bool = True) -> dict:
+    return run_json([sys.executable, "-c", PROBE, str(src), str(out), device, kernel, str(workers),
+                     "1" if kernel_alone else "0"])
 
 
 def subset(src: Path, dst: Path, gb: float) -> tuple[Path, int]:
@@ -273,6 +289,72 @@ def stage_table(say: Report, r: dict) -> None:
         "the stage that bounds the throughput")
 
 
+def parse_counts(text: str) -> list[int]:
+    """``--scaling 1,2,4,8`` -> [1, 2, 4, 8] (each at least 1)."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of worker counts: {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"worker counts must be >= 1: {text!r}")
+    return counts
+
+
+def scaling(say: Report, src: Path, work: Path, args, first: dict, t_plain: float) -> None:
+    """The conversion at each worker count of ``--scaling`` on the same source (page cache
+    dropped before each): rate, ratio to the plain read + write measured in this run, ratio to
+    the first count's rate, and whether every shard equals the first count's output."""
+    cores = len(os.sched_getaffinity(0))
+    counts = list(dict.fromkeys(args.scaling))
+    gb = first["bytes_in"] / 1e9
+    say(f"  scaling on {cores} cores (each worker owns cores // workers of them; page cache "
+        "dropped before each run; 'convert' is rank 0's conversion, 'start-up' the rest of the "
+        "wall time: spawning the workers, imports, loading the compiled kernels)")
+    say(f"      {'workers':>7s} {'threads':>7s} {'convert':>8s} {'start-up':>8s} {'G el/s':>7s} "
+        f"{'GB/s':>6s} {'/ plain':>7s} {'+start':>7s} {'/ ' + str(counts[0]) + ' w':>7s} {'CPU s':>6s} "
+        f"{'RSS MiB':>8s} same bytes")
+    base_out, base_rate = None, None
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    rows = []
+    for w in counts:
+        out = work / f"out-scaling-{w}"
+        if w == args.workers and base_out is None and w == counts[0] and (work / "out").is_dir():
+            r, out = first, work / "out"
+        else:
+            drop_caches()
+            r = run_convert(src, out, args.device, "auto", w, kernel_alone=False)
+        rate = r["elements"] / r["seconds"] / 1e9
+        if base_out is None:
+            base_out, base_rate, same = out, rate, "(reference)"
+        else:
+            same = "yes" if same_shards(base_out, out, shards) else "NO"
+            shutil.rmtree(out)
+        start = r.get("wall", r["seconds"]) - r["seconds"]
+        rows.append({"workers": w, "threads": max(1, cores // w), "seconds": r["seconds"],
+                     "startup": start, "gelem_s": rate, "ratio_plain": t_plain / r["seconds"],
+                     "ratio_plain_wall": t_plain / r.get("wall", r["seconds"]),
+                     "ratio_first": rate / base_rate,
+                     "cpu_seconds": r["cpu_seconds"], "peak_rss": r["peak_rss"], "same": same,
+                     "stages": r.get("stages", {}), "stages_cpu": r.get("stages_cpu", {})})
+        x = rows[-1]
+        say(f"      {w:7d} {x['threads']:7d} {r['seconds']:7.1f}s {start:7.1f}s {rate:7.3f} "
+            f"{r['bytes_in'] / 1e9 / r['seconds']:6.3f} {x['ratio_plain']:7.3f} "
+            f"{x['ratio_plain_wall']:7.3f} {x['ratio_first']:7.2f} {r['cpu_seconds']:6.0f} "
+            f"{r.get('peak_rss_worker', r['peak_rss']) / 2**20:8.0f} {same}")
+    say("      busy seconds by stage, summed over the workers (thread CPU seconds in brackets):")
+    for x in rows:
+        st, c = x["stages"], x["stages_cpu"]
+        say(f"      {x['workers']:7d}  " + ", ".join(
+            f"{n} {st.get(n, 0.0):.1f} ({c.get(n, 0.0):.1f})"
+            for n in ("read", "dequant + amax", "quantize", "write + sha256", "wait for read")))
+    say(f"      plain read + write of the same bytes: {t_plain:.1f} s ({gb / t_plain:.3f} GB/s); "
+        "'/ plain' is that time over 'convert', '+start' over the whole wall time; RSS is the "
+        "largest process's peak (one worker's when there are several)")
+    if base_out is not None and base_out != work / "out":
+        shutil.rmtree(base_out)
+    say.raw["scaling"] = rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -288,6 +370,9 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out-dir", default=None, help="also write the table and raw numbers here")
     ap.add_argument("--skip-rss", action="store_true", help="skip the 4 / 16 shard RSS runs")
+    ap.add_argument("--scaling", type=parse_counts, default=None, metavar="N,N,...",
+                    help="also convert at each of these worker counts (e.g. 1,2,4,8) and print "
+                         "rate, ratio to the plain read + write and ratio to the first count")
     args = ap.parse_args()
     say = Report()
     if importlib.util.find_spec("compressed_tensors") is None:
@@ -331,11 +416,14 @@ def main() -> None:
             f"startup before it, not counted: {r['startup']:.1f} s of imports, CUDA context, "
             "kernel compilation)")
         say(f"    peak RSS {r['peak_rss'] / 2**20:.0f} MiB, peak GPU memory {r['peak_gpu'] / 2**20:.0f} MiB")
-        if "kernel_gelem_s" in r:
+        if r.get("kernel_gelem_s"):
             say(f"    the kernel alone on one expert's weights, host to host: "
                 f"{r['kernel_gelem_s']:.2f} G elements/s (end to end is "
                 f"{rate / r['kernel_gelem_s']:.0%} of it)")
         stage_table(say, r)
+
+        if args.scaling:
+            scaling(say, src, work, args, r, t_plain)
 
         ref_gb = args.size_gb if args.reference_gb is None else args.reference_gb
         sub, k = subset(src, work / "src-ref", ref_gb)

@@ -10,6 +10,14 @@ Two ways in, one code path:
 
 Each rank converts the output shards :func:`assign_shards` gives it and keeps its own resume
 ledger; rank 0 writes the index, config and manifest after every rank has finished.
+
+Worker processes share the machine without oversubscribing it (docs/architecture.md,
+"Parallel CPU conversion"): each owns ``cores // workers`` cores (its CPU affinity), and
+OpenMP, MKL and OpenBLAS are told that many threads through the environment before torch
+loads in the child, so every thread of the worker (the reader's and the quantizer's kernels
+alike) runs teams of that size; inductor compiles in the worker's own thread (no pool of
+compile processes per worker). The compiled kernels come from inductor's on-disk cache, shared
+by every worker: rank 0 warms it, the others wait and then load what it compiled.
 """
 
 import multiprocessing as mp
@@ -23,10 +31,23 @@ import torch.distributed as dist
 
 from quantize.base.errors import OutputError
 
-__all__ = ["World", "assign_shards", "current_world", "init_from_env", "spawn_local"]
+__all__ = ["MIN_BYTES_PER_WORKER", "World", "assign_shards", "available_memory", "core_slices",
+           "current_world", "default_workers", "init_from_env", "spawn_local", "usable_cores",
+           "worker_env"]
 
 TIMEOUT = timedelta(hours=24)
 """How long a rank waits for the others (a rank with little work waits for the slowest)."""
+
+MIN_BYTES_PER_WORKER = 2 * 2**30
+"""The default worker count gives each worker at least this much source: starting a worker
+(torch import, loading the compiled kernels) costs seconds, more than a small checkpoint takes."""
+
+WORKER_BASE_BYTES = 2**30
+"""Memory of one worker besides its shards (torch, the compiled kernels, the allocator's slack)."""
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+"""Thread-pool sizes read once, when the library loads: set in a worker's environment before
+torch initialises there."""
 
 
 class World:
@@ -90,6 +111,66 @@ def assign_shards(sizes: dict[str, int], world_size: int) -> list[list[str]]:
     return [sorted(x) for x in out]
 
 
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on (its affinity), sorted."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new processes (``MemAvailable`` of /proc/meminfo), or
+    None where the system does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_workers(cores: int, memory: int | None, shard_bytes: list[int]) -> int:
+    """The worker count ``--workers auto`` uses for a CPU conversion:
+    ``min(cores // 2, shards, source bytes // 2 GiB, (memory - 2 GiB) // (1 GiB + 3 x the largest
+    shard))``, at least 1.
+
+    Two cores a worker: its reader's kernel (block amax) and its quantizer's (codes) run at once.
+    One shard at least a worker (workers divide the shards). :data:`MIN_BYTES_PER_WORKER` of
+    source a worker, so a small checkpoint stays in one process. A worker holds about three
+    source shards' worth of tensors in flight (queued, in hand, being written) plus
+    :data:`WORKER_BASE_BYTES`; 2 GiB of ``memory`` stay free for the rest of the machine.
+
+    Args:
+        cores: CPU cores this process may use. memory: available bytes, or None (not limiting).
+        shard_bytes: size of each source shard, bytes.
+    """
+    if not shard_bytes:
+        return 1
+    n = min(cores // 2, len(shard_bytes), sum(shard_bytes) // MIN_BYTES_PER_WORKER)
+    if memory is not None:
+        n = min(n, (memory - 2 * 2**30) // (WORKER_BASE_BYTES + 3 * max(shard_bytes)))
+    return max(1, int(n))
+
+
+def core_slices(cores: list[int], workers: int) -> list[list[int]]:
+    """The cores each of ``workers`` processes owns: ``len(cores) // workers`` consecutive ones
+    each (at least one; with more workers than cores, they share cores round-robin)."""
+    per = max(1, len(cores) // workers)
+    return [[cores[(r * per + i) % len(cores)] for i in range(per)] for r in range(workers)]
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Environment of a worker that owns ``threads`` cores: OpenMP / MKL / OpenBLAS pools of
+    that size, and inductor compiling in the calling thread (``TORCHINDUCTOR_COMPILE_THREADS=1``:
+    a pool of compile processes per worker would start as many processes as there are cores,
+    for four small graphs). The inductor cache folder is inherited, so every worker reads the
+    same compiled kernels."""
+    env = {k: str(threads) for k in THREAD_ENV}
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    return env
+
+
 def _die_with_parent(parent: int) -> None:
     """Linux: have the kernel kill this worker when the process that spawned it dies
     (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a ``kill -9`` of ``quantize`` never leaves
@@ -105,14 +186,36 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _child(rank: int, size: int, store: str, threads: int, fn, kwargs: dict, results,
-           parent: int) -> None:
+def _warm_in_turn(rank: int, warm) -> None:
+    """``warm()`` on rank 0, then on the others: they load what rank 0 compiled from the
+    shared cache instead of compiling the same kernels at once. Rank 0's error is raised on
+    every rank after the barrier (no rank waits alone)."""
+    err = None
+    if rank == 0:
+        try:
+            warm()
+        except Exception as e:
+            err = e
+    dist.barrier()
+    if rank == 0:
+        if err is not None:
+            raise err
+    else:
+        warm()
+
+
+def _child(rank: int, size: int, store: str, cores: list[int], fn, kwargs: dict, results,
+           parent: int, warm) -> None:
     _die_with_parent(parent)
-    torch.set_num_threads(threads)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=size, timeout=TIMEOUT)
         try:
+            if warm is not None:
+                _warm_in_turn(rank, warm)
             results.put((rank, "ok", fn(**kwargs)))
         finally:
             dist.destroy_process_group()
@@ -120,24 +223,40 @@ def _child(rank: int, size: int, store: str, threads: int, fn, kwargs: dict, res
         results.put((rank, "err", e))
 
 
-def spawn_local(workers: int, fn, kwargs: dict):
+def spawn_local(workers: int, fn, kwargs: dict, warm=None):
     """Run ``fn(**kwargs)`` in ``workers`` processes forming one gloo group; return rank 0's
-    result. Each process gets ``cores // workers`` torch threads.
+    result.
+
+    Each process owns ``cores // workers`` of this process's cores (:func:`core_slices`, its
+    CPU affinity) and runs that many threads: torch's, and OpenMP / MKL / OpenBLAS pools sized
+    through :func:`worker_env` before torch loads in it. ``warm`` (picklable, no arguments),
+    when given, runs first on rank 0 and then on the others (compile the kernels once, into the
+    inductor cache every worker shares).
 
     Raises:
         the lowest rank's exception, or OutputError when a process died without one.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // workers)
+    slices = core_slices(usable_cores(), workers)
     with tempfile.TemporaryDirectory(prefix="spark-quant-group-") as tmp:
         store = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_child, args=(r, workers, store, threads, fn, kwargs, results,
-                                                  os.getpid()),
+        procs = [ctx.Process(target=_child, args=(r, workers, store, slices[r], fn, kwargs, results,
+                                                  os.getpid(), warm),
                              name=f"spark-quant-rank{r}") for r in range(workers)]
-        for p in procs:
-            p.start()
+        # a spawned child inherits this process's environment when it starts: set the thread
+        # pools' sizes for it, and put ours back
+        saved = {k: os.environ.get(k) for k in worker_env(1)}
+        try:
+            os.environ.update(worker_env(len(slices[0])))
+            for p in procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         got = {}
         try:
             while len(got) < workers:

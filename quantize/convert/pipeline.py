@@ -20,6 +20,7 @@ freed memory kept for the next ones) plus a few prepared tensors and one fused g
 whatever the model size.
 """
 
+import functools
 import json
 import math
 import os
@@ -36,7 +37,14 @@ from tqdm.auto import tqdm
 
 from formats import SCHEMES, get_writer
 from formats.calib_stats import DEFAULT_MIN_TOKENS, STATS_FILE, CalibStats
-from formats.checkpoint import INDEX_NAME, carry_files, write_index, write_json_atomic
+from formats.checkpoint import (
+    INDEX_NAME,
+    carry_files,
+    load_index,
+    scan_headers,
+    write_index,
+    write_json_atomic,
+)
 from formats.manifest import (
     MANIFEST_NAME,
     PROGRESS_NAME,
@@ -67,7 +75,14 @@ from quantize.inspect.preflight import ABSURD_AMAX, MIN_AMAX, preflight
 from quantize.kernels import SCALE_METHODS
 from quantize.kernels.dtypes import count_bytes
 from quantize.kernels.fp8 import quantize_fp8_block
-from quantize.kernels.fused import Prepared, choose_backend, prepare_float, prepare_fp8
+from quantize.kernels.fused import (
+    MIN_COMPILED_ELEMENTS,
+    Prepared,
+    choose_backend,
+    prepare_float,
+    prepare_fp8,
+    warm_up,
+)
 from quantize.kernels.mxfp8 import quantize_mxfp8
 from quantize.kernels.scale_search import quantize_nvfp4_search
 from quantize.plan.activations import (
@@ -719,7 +734,8 @@ def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions |
     if opts.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {opts.workers}")
     if opts.workers > 1 and current_world().size == 1:
-        return spawn_local(opts.workers, convert, dict(src=_local_folder(src), out=out, options=opts))
+        return spawn_local(opts.workers, convert, dict(src=_local_folder(src), out=out, options=opts),
+                           warm=functools.partial(_warm_kernels, opts, _local_folder(src)))
     t0 = time.perf_counter()
     world, out = current_world(), Path(out)
     rec, writer = load_recipe(opts.recipe), get_writer(opts.fmt)
@@ -732,6 +748,26 @@ def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions |
     result = _run_ranks(plan, out, opts, dev, world)
     plan.notes += _data_notes([result.stats[s] for s in plan.job.out_shards])
     return _on_rank_0(world, lambda: _finish(plan, out, opts, result, t0))
+
+
+def _warm_kernels(opts: ConvertOptions, src: Path) -> None:
+    """In each worker before its shards: the inductor graphs the options will run
+    (quantize.kernels.fused.warm_up), compiled by the first worker and loaded by the rest;
+    nothing when no tensor of ``src`` is large enough for them (``--kernel auto`` gives those
+    to the reference). Options or a source that cannot run are left for :func:`convert` to
+    refuse with its own error."""
+    try:
+        dev = _resolve_device(opts.device, current_world())
+        backend = choose_backend(opts.kernel, dev)
+        order = get_writer(opts.fmt).NVFP4_ORDER
+        if backend == "inductor" and opts.kernel == "auto":
+            infos, _ = scan_headers(src, load_index(src, check_files=False))
+            if not any(math.prod(i.shape) >= MIN_COMPILED_ELEMENTS for i in infos.values()):
+                return
+    except Exception:
+        return
+    if backend == "inductor" and opts.scales == "rtn":
+        warm_up(order)
 
 
 def _preflight(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType) -> tuple:

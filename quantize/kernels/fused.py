@@ -52,7 +52,7 @@ from quantize.kernels.nvfp4 import (
 from quantize.kernels.prepared import Prepared
 
 __all__ = ["BACKENDS", "MIN_COMPILED_ELEMENTS", "ORDERS", "Prepared", "choose_backend",
-           "decode_e4m3", "e2m1_codes", "prepare_float", "prepare_fp8"]
+           "decode_e4m3", "e2m1_codes", "prepare_float", "prepare_fp8", "warm_up"]
 
 ORDERS = ("global", "scale_2")
 """Arithmetic orders: compressed-tensors' (``quantize_nvfp4``, quantize-direction global
@@ -147,10 +147,25 @@ def _pack_pairs(c32: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled(name: str):
+    """One graph, compiled on first call. ``cpp.dynamic_threads``: the C++ loops size their
+    OpenMP team when they run (``omp_get_max_threads()`` of the calling thread) instead of
+    baking the compiling process's thread count in, so one compiled kernel (inductor's disk
+    cache) serves processes of any thread count: worker processes of ``--workers N`` load what
+    the first compiled (quantize/convert/parallel.py), and a kernel cached by a 16-thread
+    process never runs 16-wide in a 2-core worker."""
     fn = {"fp8_block_amax": _fp8_block_amax, "block_scales": _block_scales,
           "fp8_codes": _fp8_codes, "float_block_amax": _float_block_amax,
           "float_codes": _float_codes, "pack_pairs": _pack_pairs}[name]
-    return torch.compile(fn, dynamic=False)
+    return torch.compile(fn, dynamic=False, options={"cpp.dynamic_threads": True})
+
+
+def warm_up(order: str = "global") -> None:
+    """Compile (or load from inductor's disk cache) the graphs a block-FP8 weight runs
+    through in ``order`` (:data:`ORDERS`), on a 256x512 weight of 128x128 blocks: every
+    dimension dynamic (none of size 1), so the graphs serve every weight shape of that block
+    layout. Float sources compile their two graphs on first use."""
+    w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+    _InductorFp8(w, torch.ones(2, 4), (128, 128), order).quantize(torch.ones(()))
 
 
 def _run(name: str, *args):

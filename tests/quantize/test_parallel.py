@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,14 @@ from test_pipeline import moe_checkpoint
 from formats.checkpoint import INDEX_NAME
 from formats.manifest import MANIFEST_NAME
 from quantize.base.errors import SourceError
-from quantize.convert.parallel import assign_shards
+from quantize.convert.parallel import (
+    assign_shards,
+    core_slices,
+    default_workers,
+    spawn_local,
+    usable_cores,
+    worker_env,
+)
 from quantize.convert.pipeline import convert
 from quantize.kernels.fused import _has_cxx, _has_triton
 
@@ -59,6 +67,74 @@ def test_two_workers_write_the_single_process_build(moe, tmp_path):
     assert s.shards_written == 4 and s.shards_skipped == 0
     assert s.elements_quantized > 0 and s.tensors_by_target["nvfp4"] > 0
     assert_same_build(clean, tmp_path / "w2")
+
+
+@pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")
+def test_two_inductor_workers_write_the_one_worker_build(moe, tmp_path):
+    """The compiled kernels loaded by worker processes (compiled by rank 0, or cached by
+    another thread count) write the bytes one process writes."""
+    src, clean = moe
+    convert(src, tmp_path / "w1", progress=False, device="cpu", kernel="inductor", workers=1)
+    s = convert(src, tmp_path / "w2", progress=False, device="cpu", kernel="inductor", workers=2)
+    assert s.shards_written == 4
+    assert_same_build(tmp_path / "w1", tmp_path / "w2")
+    assert_same_build(clean, tmp_path / "w2")
+
+
+def _worker_view() -> tuple:
+    import torch as t
+
+    return (os.environ.get("OMP_NUM_THREADS"), os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"),
+            t.get_num_threads(), sorted(os.sched_getaffinity(0)))
+
+
+def _log_rank(log: str) -> None:
+    import torch.distributed as dist
+
+    with open(log, "a") as f:
+        f.write(f"{dist.get_rank()} ")
+
+
+def test_workers_own_their_cores_and_warm_in_turn(tmp_path, monkeypatch):
+    """Each worker runs on its own cores with thread pools of that size (set in its
+    environment before torch loads there); the parent's environment is left as it was; the
+    warm-up runs on rank 0 before any other rank starts it."""
+    import functools
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    cores = usable_cores()
+    workers = min(2, len(cores))
+    log = tmp_path / "log"
+    log.write_text("")
+    got = spawn_local(workers, _worker_view, {}, warm=functools.partial(_log_rank, str(log)))
+    per = len(cores) // workers
+    assert got == (str(per), "1", per, cores[:per])  # rank 0's view
+    assert log.read_text().split()[0] == "0" and sorted(log.read_text().split()) == [
+        str(r) for r in range(workers)]
+    assert os.environ["OMP_NUM_THREADS"] == "7" and "MKL_NUM_THREADS" not in os.environ
+
+
+def test_core_slices_and_worker_env():
+    assert core_slices(list(range(16)), 8) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11],
+                                               [12, 13], [14, 15]]
+    assert core_slices([0, 2, 4, 6, 8], 2) == [[0, 2], [4, 6]]  # one core left idle
+    assert core_slices([0, 1], 3) == [[0], [1], [0]]
+    assert worker_env(2) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+                             "OPENBLAS_NUM_THREADS": "2", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
+def test_default_workers_rule():
+    gib = 2**30
+    shards = [5 * gib] * 64  # 320 GiB in 5 GiB shards
+    assert default_workers(16, 256 * gib, shards) == 8  # cores // 2
+    assert default_workers(16, 128 * gib, shards) == 7  # (128 - 2) // (1 + 3 x 5) GiB
+    assert default_workers(16, 128 * gib, [300 * 10**6] * 15) == 2  # 4.5 GB // 2 GiB
+    assert default_workers(16, None, shards[:3]) == 3  # one shard a worker at least
+    assert default_workers(16, None, [gib] * 5) == 2  # 2 GiB of source a worker
+    assert default_workers(2, None, shards) == 1
+    assert default_workers(16, 128 * gib, [100 * 2**20] * 4) == 1  # a small checkpoint
+    assert default_workers(16, gib, shards) == 1 and default_workers(16, None, []) == 1
 
 
 def test_torchrun_gloo_two_ranks_write_the_single_process_build(moe, tmp_path):
@@ -181,3 +257,34 @@ def test_workers_die_with_a_killed_parent(moe, tmp_path):
     assert alive == [], f"workers {alive} outlived their parent"
     time.sleep(1.0)
     assert not (out / MANIFEST_NAME).exists()
+
+
+def test_auto_workers_keeps_small_gpu_and_streamed_sources_in_one_process(moe, monkeypatch):
+    from quantize.cli import _auto_workers
+
+    src, _ = moe
+    assert _auto_workers(src, "cpu", "auto") == 1  # 4 small shards: under 2 GiB a worker
+    monkeypatch.setattr("quantize.convert.parallel.MIN_BYTES_PER_WORKER", 1)
+    monkeypatch.setattr("quantize.convert.parallel.usable_cores", lambda: list(range(16)))
+    assert _auto_workers(src, "cpu", "auto") == 4  # one shard a worker at most
+    assert _auto_workers(src, "cuda", "auto") == 1 and _auto_workers(src, "cpu", "triton") == 1
+    assert _auto_workers("org/repo", "cpu", "auto") == 1  # a Hub source streams in one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _auto_workers(src, "cpu", "auto") == 1  # torchrun ranks divide the shards
+
+
+@pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")
+def test_workers_warm_the_compiled_kernels_only_when_they_will_run(moe, monkeypatch):
+    from quantize.convert import pipeline
+
+    src, _ = moe
+    calls = []
+    monkeypatch.setattr(pipeline, "warm_up", calls.append)
+    opts = pipeline.ConvertOptions(device="cpu")
+    pipeline._warm_kernels(opts, src)  # auto: every weight of the fixture is under 2^20 elements
+    pipeline._warm_kernels(replace(opts, kernel="reference"), src)
+    pipeline._warm_kernels(replace(opts, kernel="inductor", scales="mse"), src)
+    assert calls == []
+    pipeline._warm_kernels(replace(opts, kernel="inductor"), src)
+    pipeline._warm_kernels(replace(opts, kernel="inductor", fmt="modelopt"), src)
+    assert calls == ["global", "scale_2"]
