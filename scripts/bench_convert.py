@@ -18,6 +18,10 @@ On one synthetic block-FP8 checkpoint shaped like GLM-5.3-Flash routed experts (
 - peak RSS at 4 and at 16 shards of equal size (flat: FC-04);
 - a projection of the time for a 306 GiB checkpoint.
 
+``--scales M`` (a ``--scales`` method other than ``rtn``) converts the same source once more
+with that block-scale method and prints its time over the RTN run's and the squared error of
+its weights over RTN's (issue 15's rule: the search is the default where it costs at most 1.3x).
+
 ``--out-dir DIR`` writes the printed table to ``DIR/bench_convert_<device>.txt`` and the raw
 numbers to ``DIR/bench_convert_<device>.json`` as well.
 
@@ -48,7 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantize.data.fixtures import write_synthetic_fp8  # noqa: E402
+from quantize.data.fixtures import write_synthetic_fp8
+from quantize.kernels import SCALE_METHODS
 
 INDEX = "model.safetensors.index.json"
 GIB_306 = 306 * 2**30
@@ -76,6 +81,7 @@ def sync():
         torch.cuda.synchronize()
 
 src, out, device, kernel, workers = sys.argv[1:6]
+scales = sys.argv[6] if len(sys.argv) > 6 else "rtn"
 dev = torch.device(device)
 backend = choose_backend(kernel, dev, MIN_COMPILED_ELEMENTS)
 # one-time costs, reported apart: imports, CUDA context, kernel compilation (disk-cached)
@@ -89,7 +95,8 @@ def cpu():  # this process and its workers, user + system
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 c0 = cpu()
-s = convert(src, out, progress=False, device=device, kernel=kernel, workers=int(workers))
+s = convert(src, out, progress=False, device=device, kernel=kernel, workers=int(workers),
+            scales=scales)
 c1 = cpu()
 gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
@@ -203,8 +210,32 @@ def run_json(cmd: list[str]) -> dict:
     return out
 
 
-def run_convert(src: Path, out: Path, device: str, kernel: str = "auto", workers: int = 1) -> dict:
-    return run_json([sys.executable, "-c", PROBE, str(src), str(out), device, kernel, str(workers)])
+def run_convert(src: Path, out: Path, device: str, kernel: str = "auto", workers: int = 1,
+                scales: str = "rtn") -> dict:
+    return run_json([sys.executable, "-c", PROBE, str(src), str(out), device, kernel, str(workers),
+                     scales])
+
+
+def weight_mse(src: Path, out: Path, shard: str) -> float:
+    """Sum over the NVFP4 weights of output ``shard`` of the squared error of the dequantized
+    build against the dequantized FP8 source (compressed-tensors layout)."""
+    from safetensors import safe_open
+
+    from quantize.kernels.fp8 import dequantize_fp8_block
+    from quantize.kernels.nvfp4 import dequantize_nvfp4
+
+    total = 0.0
+    with safe_open(str(out / shard), "pt") as o, safe_open(str(src / shard), "pt") as f:
+        for name in o.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if not name.endswith(".weight_packed"):
+                continue
+            m = name[: -len(".weight_packed")]
+            w = dequantize_fp8_block(f.get_tensor(m + ".weight"),
+                                     f.get_tensor(m + ".weight_scale_inv").float(), (128, 128))
+            q = dequantize_nvfp4(o.get_tensor(name), o.get_tensor(m + ".weight_scale"),
+                                 o.get_tensor(m + ".weight_global_scale"))
+            total += float(((q - w) ** 2).sum())
+    return total
 
 
 def subset(src: Path, dst: Path, gb: float) -> tuple[Path, int]:
@@ -288,6 +319,9 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out-dir", default=None, help="also write the table and raw numbers here")
     ap.add_argument("--skip-rss", action="store_true", help="skip the 4 / 16 shard RSS runs")
+    ap.add_argument("--scales", default="rtn", choices=SCALE_METHODS,
+                    help="also convert the same source with this block-scale method and print "
+                         "its time / RTN time and its weight squared error / RTN's")
     args = ap.parse_args()
     say = Report()
     if importlib.util.find_spec("compressed_tensors") is None:
@@ -336,6 +370,21 @@ def main() -> None:
                 f"{r['kernel_gelem_s']:.2f} G elements/s (end to end is "
                 f"{rate / r['kernel_gelem_s']:.0%} of it)")
         stage_table(say, r)
+
+        if args.scales != "rtn":
+            drop_caches()
+            sr = run_convert(src, work / "out-search", args.device, "auto", args.workers, args.scales)
+            first = min(p.name for p in src.glob("*.safetensors"))
+            mse = weight_mse(src, work / "out-search", first) / weight_mse(src, work / "out", first)
+            say.raw.update(search=sr, search_scales=args.scales, search_mse_ratio=mse)
+            say(f"  spark-quant --scales {args.scales} ({sr.get('backend', 'fast')}): "
+                f"{sr['seconds']:7.1f} s ({sr['elements'] / sr['seconds'] / 1e9:.3f} G elements/s, "
+                f"{sr['cpu_seconds']:.0f} CPU s; startup {sr['startup']:.1f} s not counted)")
+            say(f"    ratio --scales {args.scales} / rtn, same source, end to end: time "
+                f"{sr['seconds'] / r['seconds']:.3f}; weight squared error (shard {first}) "
+                f"{mse:.4f}")
+            stage_table(say, sr)
+            shutil.rmtree(work / "out-search")
 
         ref_gb = args.size_gb if args.reference_gb is None else args.reference_gb
         sub, k = subset(src, work / "src-ref", ref_gb)

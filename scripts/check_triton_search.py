@@ -18,11 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from quantize.kernels.fp8 import dequantize_fp8_block  # noqa: E402
-from quantize.kernels.nvfp4 import global_scale_from_amax, scale_2_from_amax  # noqa: E402
-from quantize.kernels.scale_search import CANDIDATE_SETS, quantize_nvfp4_search  # noqa: E402
+from quantize.kernels.fp8 import dequantize_fp8_block
+from quantize.kernels.nvfp4 import global_scale_from_amax, scale_2_from_amax
+from quantize.kernels.scale_search import CANDIDATE_SETS, quantize_nvfp4_search
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 WIDE = ((6, 0), (4, 0), (6, -1), (6, -3), (6, 2), (4, -2), (4, 3), (6, -16), (4, 16))

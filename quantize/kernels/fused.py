@@ -144,50 +144,61 @@ def e2m1_round(q: torch.Tensor) -> torch.Tensor:
     return torch.where(q < 0, -v, v)
 
 
-def _search_scales(w, block_amax, scalar, six, four, wt, order: str, candidates):
-    """Per block the least-score candidate scale (kernels/scale_search.py, same arithmetic):
-    returns (e4m3 block scales, the float32 divisor of each block's weights) like
-    :func:`_block_scales`. ``w`` float32 [..., 16], ``block_amax`` [...], ``targets`` float32
-    [2] (6 and 4, a tensor so that no division becomes a multiplication), ``wt`` the
-    normalized channel weight broadcastable to ``w`` or None; ``candidates`` and ``order`` are
-    constants of the graph (the candidate loop is unrolled)."""
+def _search_bases(block_amax, scalar, six, four, order: str):
+    """e4m3 bytes (int32) of the scales mapping each block amax to 6 (RTN) and to 4."""
     fn = nvfp4_block_scale_scale2 if order == "scale_2" else nvfp4_block_scale
-    live = block_amax > 0
-    base = {6: encode_e4m3(fn(block_amax, scalar, six)), 4: encode_e4m3(fn(block_amax, scalar, four))}
-    best_code, best = base[6], None
-    for t, off in candidates:
-        code = torch.where(live, torch.clamp(base[t] + off, 0x01, 0x7E), base[6])
-        sf = decode_e4m3(code)
-        q = w / (sf * scalar if order == "scale_2" else sf / scalar)[..., None]
-        d = e2m1_round(q) - q
-        e = d * d
-        if wt is not None:
-            e = e * wt
-        while e.shape[-1] > 1:
-            e = e[..., 0::2] + e[..., 1::2]
-        score = e[..., 0] * (sf * sf)
-        if best is None:
-            best = score
-            continue
-        better = score < best
-        best = torch.where(better, score, best)
-        best_code = torch.where(better, code, best_code)
+    return encode_e4m3(fn(block_amax, scalar, six)), encode_e4m3(fn(block_amax, scalar, four))
+
+
+def _search_step(wt_, cw, block_amax, c6, c4, is_four, off, scalar, best, best_code, order: str):
+    """Score one candidate ``(4 if is_four else 6, off)`` of every block (kernels/scale_search.py,
+    same arithmetic) and keep it where it errs strictly less than ``best``.
+
+    ``wt_`` float32 [16, ...]: the weights element-major, so that the pairwise tree over the 16
+    elements adds whole vectors of blocks; ``cw`` the normalized channel weight broadcastable
+    to it, or None; ``block_amax``, ``c6``, ``c4``, ``best``, ``best_code`` [...];
+    ``is_four`` and ``off`` 0-dim int32 (tensors, so that one compiled graph serves every
+    candidate)."""
+    code = torch.where(block_amax > 0, torch.clamp(torch.where(is_four != 0, c4, c6) + off, 0x01, 0x7E), c6)
+    sf = decode_e4m3(code)
+    q = wt_ / (sf * scalar if order == "scale_2" else sf / scalar)
+    d = e2m1_round(q) - q
+    e = d * d
+    if cw is not None:
+        e = e * cw
+    while e.shape[0] > 1:
+        e = e[0::2] + e[1::2]
+    score = e[0] * (sf * sf)
+    better = score < best
+    return torch.where(better, score, best), torch.where(better, code, best_code)
+
+
+def _search_final(best_code, scalar, order: str):
     sf = decode_e4m3(best_code)
     eff = sf * scalar if order == "scale_2" else sf / scalar
     return sf.to(torch.float8_e4m3fn), eff
 
 
-def _fp8_search(xu, s, block_amax, scalar, six, four, wt, order, candidates):
-    # xu uint8 [Nb, bh, Kb, bw/16, 16]; wt float32 [Kb, bw/16, 16] or None
-    w = decode_e4m3(xu) * s[:, None, :, None, None]
-    return _search_scales(w, block_amax, scalar, six, four, None if wt is None else wt[None, None],
-                          order, candidates)
+def _fp8_weights_t(xu, s):
+    # xu uint8 [Nb, bh, Kb, bw/16, 16] -> float32 [16, Nb, bh, Kb, bw/16]
+    return (decode_e4m3(xu) * s[:, None, :, None, None]).movedim(-1, 0).contiguous()
 
 
-def _float_search(x, block_amax, scalar, six, four, wt, order, candidates):
-    # x float [N, K/16, 16]; block_amax float32 [N, K/16]; wt float32 [K/16, 16] or None
-    return _search_scales(x.to(torch.float32), block_amax, scalar, six, four,
-                          None if wt is None else wt[None], order, candidates)
+def _float_weights_t(x):
+    # x float [M, 16] -> float32 [16, M]
+    return x.to(torch.float32).movedim(-1, 0).contiguous()
+
+
+def _search(wt_, cw, block_amax, scalar, order, candidates):
+    """The search over ``candidates`` as one compiled graph per step (see _search_step)."""
+    c6, c4 = _run("search_bases", block_amax, scalar, _SIX, _FOUR, order)
+    best = torch.full_like(block_amax, float("inf"))
+    best_code = c6
+    for t, off in candidates:
+        best, best_code = _run("search_step", wt_, cw, block_amax, c6, c4,
+                               torch.tensor(int(t == 4), dtype=torch.int32),
+                               torch.tensor(off, dtype=torch.int32), scalar, best, best_code, order)
+    return _run("search_final", best_code, scalar, order)
 
 
 def _fp8_codes(xu, s, eff):
@@ -217,8 +228,9 @@ def _pack_pairs(c32: torch.Tensor) -> torch.Tensor:
 def _compiled(name: str):
     fn = {"fp8_block_amax": _fp8_block_amax, "block_scales": _block_scales,
           "fp8_codes": _fp8_codes, "float_block_amax": _float_block_amax,
-          "float_codes": _float_codes, "pack_pairs": _pack_pairs, "fp8_search": _fp8_search,
-          "float_search": _float_search}[name]
+          "float_codes": _float_codes, "pack_pairs": _pack_pairs, "search_bases": _search_bases,
+          "search_step": _search_step, "search_final": _search_final,
+          "fp8_weights_t": _fp8_weights_t, "float_weights_t": _float_weights_t}[name]
     return torch.compile(fn, dynamic=False)
 
 
@@ -326,14 +338,15 @@ class _InductorFp8(Prepared):
         self.s = scale.to(torch.float32).contiguous()
         self.block_amax = _run("fp8_block_amax", self.xu, self.s)
         self.amax = self.block_amax.amax()
-        self.wt = None
+        self.cw = None
         if search.cw is not None:  # padded channels weigh 0 (their weights are 0 too)
-            self.wt = torch.nn.functional.pad(search.cw, (0, kb * bw - k)).view(kb, bw // _G, _G)
+            cw = torch.nn.functional.pad(search.cw, (0, kb * bw - k)).view(kb, bw // _G, _G)
+            self.cw = cw.movedim(-1, 0)[:, None, None].contiguous()  # [16, 1, 1, Kb, bw/16]
 
     def quantize(self, scalar):
         if self.search.on:
-            sf, eff = _run("fp8_search", self.xu, self.s, self.block_amax, self._scalar(scalar),
-                           _SIX, _FOUR, self.wt, self.order, self.search.candidates)
+            sf, eff = _search(_run("fp8_weights_t", self.xu, self.s), self.cw, self.block_amax,
+                              self._scalar(scalar), self.order, self.search.candidates)
         else:
             sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), _SIX, self.order)
         codes = _run("fp8_codes", self.xu, self.s, eff)
@@ -353,12 +366,14 @@ class _InductorFloat(Prepared):
 
     def quantize(self, scalar):
         if self.search.on:
+            cw = None
+            if self.search.cw is not None:  # [16, 1, K/16], broadcast over the rows
+                cw = self.search.cw.view(self.k // _G, _G).movedim(-1, 0)[:, None].contiguous()
             nb = self.k // _G
-            wt = None if self.search.cw is None else self.search.cw.view(nb, _G)
-            sf, eff = _run("float_search", self.x.view(self.n, nb, _G),
-                           self.block_amax.view(self.n, nb), self._scalar(scalar), _SIX, _FOUR,
-                           wt, self.order, self.search.candidates)
-            sf, eff = sf.view(-1), eff.view(-1)
+            sf, eff = _search(_run("float_weights_t", self.x).view(_G, self.n, nb), cw,
+                              self.block_amax.view(self.n, nb), self._scalar(scalar), self.order,
+                              self.search.candidates)
+            sf, eff = sf.reshape(-1), eff.reshape(-1)
         else:
             sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), _SIX, self.order)
         codes = _run("float_codes", self.x, eff)

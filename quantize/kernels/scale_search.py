@@ -13,7 +13,7 @@ tries, per block, the candidate e4m3 scale codes ``(target, offset)``: the code 
 that maps the block amax to ``target`` (6 = RTN, or 4), computed with every clamp of the
 output format's order, plus ``offset`` e4m3 code steps (one step is 1/8 of a binade, about
 9-12 %). It keeps the candidate of least (optionally weighted) squared error; ties keep the
-earliest, and the first candidate is always RTN ``(6, 0)``, so with ``candidates=RTN`` the
+earliest (the running best starts at +inf), and the first candidate is always RTN ``(6, 0)``, so with ``candidates=RTN`` the
 bytes are :func:`quantize_nvfp4`'s (or :func:`quantize_nvfp4_scale2`'s). The global scale is
 not searched: it is shared by a fused group and fixed by its amax; a 4-target scale above 448
 (the blocks near the tensor's amax) is clamped to 448 like any other.
@@ -49,7 +49,7 @@ from quantize.kernels.nvfp4 import (
     round_to_e2m1_codes,
 )
 
-__all__ = ["CANDIDATE_SETS", "DEFAULT_CANDIDATES", "FOUR_OVER_SIX", "RTN", "TARGETS",
+__all__ = ["CANDIDATE_SETS", "DEFAULT_CANDIDATES", "FOUR_OVER_SIX", "METHOD_CANDIDATES", "RTN", "TARGETS",
            "block_errors", "check_candidates", "normalized_channel_weight",
            "quantize_nvfp4_search"]
 
@@ -62,13 +62,18 @@ RTN = ((6, 0),)
 FOUR_OVER_SIX = ((6, 0), (4, 0))
 """Cook et al. 2025: the amax to 6 or to 4, whichever errs less."""
 
-DEFAULT_CANDIDATES = ((6, 0), (4, 0), (6, -1), (6, -2), (6, 1), (4, -1), (4, 1))
+DEFAULT_CANDIDATES = ((6, 0), (4, 0), (6, -1), (6, 1), (4, -1), (4, 1))
 """The search of ``--scales mse`` / ``mse-act``: Four Over Six plus the neighbouring codes of
 both targets (chosen by measurement, scripts/bench_kernels.py --candidates; docs/formats.md
 §B.0 "Block-scale search")."""
 
 CANDIDATE_SETS = {"rtn": RTN, "4over6": FOUR_OVER_SIX, "search": DEFAULT_CANDIDATES}
 """Named candidate sets (scripts and tests)."""
+
+METHOD_CANDIDATES = {"rtn": RTN, "4over6": FOUR_OVER_SIX, "mse": DEFAULT_CANDIDATES,
+                     "mse-act": DEFAULT_CANDIDATES}
+"""The candidates of each ``--scales`` method (:data:`quantize.kernels.SCALE_METHODS`);
+``mse-act`` also weighs the error by calibration activations."""
 
 _E4M3_MIN_CODE, _E4M3_MAX_CODE = 0x01, 0x7E  # smallest subnormal, 448; 0x7F is NaN
 _WEIGHT_FLOOR = 2.0**-40
@@ -182,13 +187,10 @@ def quantize_nvfp4_search(w: torch.Tensor, scalar: torch.Tensor, *, order: str =
     amax = blocks.abs().amax(-1)
     live = amax > 0
     base = {t: _code(block_scale(amax, s, float(t))) for t in TARGETS}
-    best_code, best = base[6], None
+    best_code, best = base[6], torch.full_like(amax, float("inf"))
     for t, off in candidates:
         code = torch.where(live, (base[t] + off).clamp(_E4M3_MIN_CODE, _E4M3_MAX_CODE), base[6])
         score = _score(blocks, _value(code), s, order, weight)
-        if best is None:
-            best = score
-            continue
         better = score < best
         best = torch.where(better, score, best)
         best_code = torch.where(better, code, best_code)

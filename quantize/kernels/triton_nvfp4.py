@@ -29,7 +29,11 @@ from quantize.kernels.dtypes import (
     NVFP4_GROUP_SIZE,
 )
 from quantize.kernels.prepared import Prepared
-from quantize.kernels.scale_search import RTN, check_candidates, normalized_channel_weight
+from quantize.kernels.scale_search import (
+    RTN,
+    check_candidates,
+    normalized_channel_weight,
+)
 
 __all__ = ["TritonFp8", "fp8_to_nvfp4_triton"]
 
@@ -108,7 +112,7 @@ def _fp8_nvfp4_kernel(w_ptr, s_ptr, g_ptr, cand_ptr, cw_ptr, packed_ptr, scale_p
         c4 = _code_of(_scale(block_amax, scalar, 4.0, SCALE2, E4M3_MAX, MIN_SUB, ZERO_SCALE))
         live = block_amax > 0
         best_code = c6
-        best = tl.zeros(block_amax.shape, tl.float32)
+        best = tl.full(block_amax.shape, float("inf"), tl.float32)
         for i in tl.static_range(NC):
             four = tl.load(cand_ptr + 2 * i)
             off = tl.load(cand_ptr + 2 * i + 1)
@@ -129,12 +133,9 @@ def _fp8_nvfp4_kernel(w_ptr, s_ptr, g_ptr, cand_ptr, cw_ptr, packed_ptr, scale_p
             a, b = tl.split(tl.reshape(a + b, (ROWS, COLS // 16, 2, 2)))
             a, b = tl.split(tl.reshape(a + b, (ROWS, COLS // 16, 1, 2)))
             score = tl.reshape(a + b, (ROWS, COLS // 16)) * (csf * csf)
-            if i == 0:
-                best = score
-            else:
-                better = score < best
-                best = tl.where(better, score, best)
-                best_code = tl.where(better, code, best_code)
+            better = score < best
+            best = tl.where(better, score, best)
+            best_code = tl.where(better, code, best_code)
         sf = _value_of(best_code)
     eff = _divisor(sf, scalar, SCALE2)
     q = tl.math.div_rn(w, tl.broadcast_to(eff[:, :, None], w.shape))
