@@ -41,7 +41,11 @@ def test_triton_search_matches_reference_bytes(n, k, block, order):
     """RTN and the block-scale search, weighted and not, in both orders: the reference's bytes."""
     from quantize.kernels.fp8 import dequantize_fp8_block
     from quantize.kernels.nvfp4 import global_scale_from_amax, scale_2_from_amax
-    from quantize.kernels.scale_search import DEFAULT_CANDIDATES, RTN, quantize_nvfp4_search
+    from quantize.kernels.scale_search import (
+        DEFAULT_CANDIDATES,
+        RTN,
+        quantize_nvfp4_search,
+    )
 
     g = torch.Generator().manual_seed(n * k + 3)
     wq = special_rows(random_fp8(n, k, g))
