@@ -467,8 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--kv-cache", choices=["fp8"],
                    help="declare an FP8 KV cache; with --calibration write k/v scales")
     n.add_argument("--scales", default="rtn", choices=SCALE_METHODS,
-                   help="block scales: round-to-nearest, least-squares search, or the search "
-                        "weighted by calibration activations (compressed-tensors format only)")
+                   help="block scales: round-to-nearest, Four Over Six (amax to 6 or 4), the "
+                        "least-squares search around both, or that search weighted by "
+                        "calibration activations (mse-act, needs --calibration)")
     n.add_argument("--min-expert-tokens", type=_int_at_least(0), default=None,
                    help="experts with fewer calibration tokens use the layer max (default 8)")
     n.add_argument("--method", default="stream", choices=["stream", "gptq"],

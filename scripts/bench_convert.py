@@ -22,6 +22,10 @@ On one synthetic block-FP8 checkpoint shaped like GLM-5.3-Flash routed experts (
   above and to the first count, CPU seconds, the workers' start-up, and whether its shards
   equal the first count's byte for byte.
 
+``--scales M`` (a ``--scales`` method other than ``rtn``) converts the same source once more
+with that block-scale method and prints its time over the RTN run's and the squared error of
+its weights over RTN's (issue 15's rule: the search is the default where it costs at most 1.3x).
+
 ``--out-dir DIR`` writes the printed table to ``DIR/bench_convert_<device>.txt`` and the raw
 numbers to ``DIR/bench_convert_<device>.json`` as well.
 
@@ -57,7 +61,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantize.data.fixtures import write_synthetic_fp8  # noqa: E402
+from quantize.data.fixtures import write_synthetic_fp8
+from quantize.kernels import SCALE_METHODS
 
 INDEX = "model.safetensors.index.json"
 GIB_306 = 306 * 2**30
@@ -85,6 +90,7 @@ def sync():
         torch.cuda.synchronize()
 
 src, out, device, kernel, workers, alone = sys.argv[1:7]
+scales = sys.argv[7] if len(sys.argv) > 7 else "rtn"
 dev = torch.device(device)
 backend = choose_backend(kernel, dev, MIN_COMPILED_ELEMENTS)
 # one-time costs, reported apart: imports, CUDA context, kernel compilation (disk-cached)
@@ -98,7 +104,8 @@ def cpu():  # this process and its workers, user + system
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 c0, w0 = cpu(), time.perf_counter()
-s = convert(src, out, progress=False, device=device, kernel=kernel, workers=int(workers))
+s = convert(src, out, progress=False, device=device, kernel=kernel, workers=int(workers),
+            scales=scales)
 c1, wall = cpu(), time.perf_counter() - w0  # wall: with the workers' start-up
 gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 import resource
@@ -218,9 +225,31 @@ def run_json(cmd: list[str]) -> dict:
 
 
 def run_convert(src: Path, out: Path, device: str, kernel: str = "auto", workers: int = 1,
-                kernel_alone: bool = True) -> dict:
+                kernel_alone: bool = True, scales: str = "rtn") -> dict:
     return run_json([sys.executable, "-c", PROBE, str(src), str(out), device, kernel, str(workers),
-                     "1" if kernel_alone else "0"])
+                     "1" if kernel_alone else "0", scales])
+
+
+def weight_mse(src: Path, out: Path, shard: str) -> float:
+    """Sum over the NVFP4 weights of output ``shard`` of the squared error of the dequantized
+    build against the dequantized FP8 source (compressed-tensors layout)."""
+    from safetensors import safe_open
+
+    from quantize.kernels.fp8 import dequantize_fp8_block
+    from quantize.kernels.nvfp4 import dequantize_nvfp4
+
+    total = 0.0
+    with safe_open(str(out / shard), "pt") as o, safe_open(str(src / shard), "pt") as f:
+        for name in o.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if not name.endswith(".weight_packed"):
+                continue
+            m = name[: -len(".weight_packed")]
+            w = dequantize_fp8_block(f.get_tensor(m + ".weight"),
+                                     f.get_tensor(m + ".weight_scale_inv").float(), (128, 128))
+            q = dequantize_nvfp4(o.get_tensor(name), o.get_tensor(m + ".weight_scale"),
+                                 o.get_tensor(m + ".weight_global_scale"))
+            total += float(((q - w) ** 2).sum())
+    return total
 
 
 def subset(src: Path, dst: Path, gb: float) -> tuple[Path, int]:
@@ -373,6 +402,9 @@ def main() -> None:
     ap.add_argument("--scaling", type=parse_counts, default=None, metavar="N,N,...",
                     help="also convert at each of these worker counts (e.g. 1,2,4,8) and print "
                          "rate, ratio to the plain read + write and ratio to the first count")
+    ap.add_argument("--scales", default="rtn", choices=SCALE_METHODS,
+                    help="also convert the same source with this block-scale method and print "
+                         "its time / RTN time and its weight squared error / RTN's")
     args = ap.parse_args()
     say = Report()
     if importlib.util.find_spec("compressed_tensors") is None:
@@ -422,6 +454,20 @@ def main() -> None:
                 f"{rate / r['kernel_gelem_s']:.0%} of it)")
         stage_table(say, r)
 
+        if args.scales != "rtn":
+            drop_caches()
+            sr = run_convert(src, work / "out-search", args.device, "auto", args.workers, scales=args.scales)
+            first = min(p.name for p in src.glob("*.safetensors"))
+            mse = weight_mse(src, work / "out-search", first) / weight_mse(src, work / "out", first)
+            say.raw.update(search=sr, search_scales=args.scales, search_mse_ratio=mse)
+            say(f"  spark-quant --scales {args.scales} ({sr.get('backend', 'fast')}): "
+                f"{sr['seconds']:7.1f} s ({sr['elements'] / sr['seconds'] / 1e9:.3f} G elements/s, "
+                f"{sr['cpu_seconds']:.0f} CPU s; startup {sr['startup']:.1f} s not counted)")
+            say(f"    ratio --scales {args.scales} / rtn, same source, end to end: time "
+                f"{sr['seconds'] / r['seconds']:.3f}; weight squared error (shard {first}) "
+                f"{mse:.4f}")
+            stage_table(say, sr)
+            shutil.rmtree(work / "out-search")
         if args.scaling:
             scaling(say, src, work, args, r, t_plain)
 

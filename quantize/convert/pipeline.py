@@ -11,7 +11,7 @@ when the check has no error). Calibration statistics (``quantize calibrate``) ad
 scales and FP8 KV scales, and weight the block-scale search (``--scales``).
 Reading, quantizing and writing overlap (``quantize.convert.overlap``: a reader thread, this thread, a
 writer thread), NVFP4 goes through the fused kernels of ``quantize.kernels.fused`` (the
-block-scale search through the reference arithmetic), and shards can be divided among
+block-scale search too, in both arithmetic orders), and shards can be divided among
 processes or torchrun ranks (``quantize.convert.parallel``). Large source tensors are read with
 O_DIRECT and written shards leave the page cache once on disk (``formats.shards``): one pass
 over the checkpoint gains nothing from the cache, and filling it was the largest CPU cost on
@@ -84,7 +84,7 @@ from quantize.kernels.fused import (
     warm_up,
 )
 from quantize.kernels.mxfp8 import quantize_mxfp8
-from quantize.kernels.scale_search import quantize_nvfp4_search
+from quantize.kernels.scale_search import METHOD_CANDIDATES
 from quantize.plan.activations import (
     calibration_record,
     input_amax_plan,
@@ -231,19 +231,12 @@ def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> 
 the search weighted by calibration activations (needs ``calibration``)."""
 
 
-def _check_scale_method(scales: str, order: str) -> None:
-    """The block-scale search runs in compressed-tensors' arithmetic order only.
-
-    Raises:
-        ValueError: unknown method, or a search asked for a ModelOpt (``scale_2``) build.
+def _check_scale_method(scales: str) -> None:
+    """Raises:
+        ValueError: ``scales`` is not one of :data:`SCALE_METHODS`.
     """
     if scales not in SCALE_METHODS:
         raise ValueError(f"unknown --scales {scales!r} (valid: {', '.join(SCALE_METHODS)})")
-    if scales != "rtn" and order != "global":
-        raise ValueError(f"--scales {scales} searches block scales in compressed-tensors' arithmetic "
-                         f"order (quantize-direction global scale); the {order!r} order of this output "
-                         "format (ModelOpt) is not supported by the search yet: use --scales rtn or "
-                         "--format compressed-tensors")
 
 
 @dataclass(frozen=True)
@@ -271,8 +264,8 @@ class ConvertOptions:
         calibration: a stats folder from ``quantize calibrate`` (``formats.calib_stats``).
         kv_cache: ``fp8`` declares an FP8 KV cache; with ``calibration`` the k/v scales
             (amax / 448) are written per attention block, else engines use 1.0.
-        scales: one of :data:`SCALE_METHODS` (the searches need the compressed-tensors format,
-            and run the reference arithmetic whatever ``kernel``).
+        scales: one of :data:`SCALE_METHODS`; every method runs in the output format's
+            arithmetic order and in every ``kernel`` with the same bytes.
         min_expert_tokens: routed experts with fewer calibration tokens take the layer's max
             over experts as input amax and are listed in the manifest (default 8).
         kernel: ``auto``, ``reference``, ``inductor`` (CPU) or ``triton`` (CUDA); see
@@ -363,19 +356,6 @@ class _RankResult(NamedTuple):
                    {k: v for r in results for k, v in r.stats.items()}, seconds, cpu)
 
 
-class _Searched(Prepared):
-    """A float32 weight whose block scales come from the least-error search
-    (``kernels.scale_search``, compressed-tensors order only); reference arithmetic."""
-
-    def __init__(self, w: torch.Tensor, amax: float, channel_weight: torch.Tensor | None):
-        self.w, self.channel_weight = w, channel_weight
-        self.amax = torch.tensor(amax, dtype=torch.float32)
-
-    def quantize(self, scalar):
-        p, s = quantize_nvfp4_search(self.w, scalar, channel_weight=self.channel_weight)
-        return p.cpu(), s.cpu()
-
-
 _SKIPPED = object()  # a shard the ledger has as finished
 
 
@@ -405,9 +385,9 @@ class _Reader:
     compressed-tensors quantize-direction global scale, or ModelOpt's dequant-direction
     ``scale_2``). ``known_amax`` holds the
     amax values an interrupted run already measured (from the resume ledger). ``job.scales``
-    (:data:`SCALE_METHODS`) picks round-to-nearest block scales (fast kernels) or the
-    least-error search (reference arithmetic), weighted per input channel by
-    ``job.channel_weight[module]`` for ``mse-act``.
+    (:data:`SCALE_METHODS`) picks round-to-nearest block scales or the least-error search
+    (``kernels.scale_search.METHOD_CANDIDATES``, in the same fast kernels), weighted per input
+    channel by ``job.channel_weight[module]`` for ``mse-act``.
     """
 
     def __init__(self, job: _Job, ledger: Ledger, device: torch.device, kernel: str,
@@ -429,19 +409,18 @@ class _Reader:
 
     def prepare(self, name: str) -> Prepared:
         source, job = self.job.source, self.job
-        if job.scales != "rtn":
-            w = self._load(name, nvfp4=True)
-            cw = job.channel_weight.get(job.modules[name]) if job.scales == "mse-act" else None
-            return _Searched(w.to(self.device), float(self._amax[name]), cw)
+        search = {"candidates": METHOD_CANDIDATES[job.scales],
+                  "channel_weight": job.channel_weight.get(job.modules[name])
+                  if job.scales == "mse-act" else None}
         backend = choose_backend(self.kernel, self.device, source.tensors[name].numel)
         with job.clock("read"):
             fp8 = source.read_fp8(name)
             w = source.read(name) if fp8 is None else None
         with job.clock("dequant + amax"):
             if fp8 is not None:
-                prep = prepare_fp8(*fp8, backend=backend, device=self.device, order=self.order)
+                prep = prepare_fp8(*fp8, backend=backend, device=self.device, order=self.order, **search)
             else:
-                prep = prepare_float(w, backend=backend, device=self.device, order=self.order)
+                prep = prepare_float(w, backend=backend, device=self.device, order=self.order, **search)
             prep.amax = prep.amax.cpu()
         _refuse_amax(name, float(prep.amax), source, True,
                      lambda: source.read(name).to(torch.float32))
@@ -531,7 +510,7 @@ def _calibration(path, scheme: str, kv_cache: str | None, scales: str, order: st
     """Load and check the calibration options together, before any work."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r} (valid: {', '.join(SCHEMES)})")
-    _check_scale_method(scales, order)
+    _check_scale_method(scales)
     if kv_cache not in (None, "fp8"):
         raise ValueError(f"unknown --kv-cache {kv_cache!r} (valid: fp8)")
     need = [why for why, on in (("--scheme w4a4", scheme == "w4a4"), ("--scales mse-act", scales == "mse-act"))

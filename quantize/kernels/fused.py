@@ -44,19 +44,22 @@ from quantize.kernels import BACKENDS
 from quantize.kernels.dtypes import NVFP4_GROUP_SIZE
 from quantize.kernels.fp8 import dequantize_fp8_block
 from quantize.kernels.nvfp4 import (
+    ORDERS,
     nvfp4_block_scale,
     nvfp4_block_scale_scale2,
     quantize_nvfp4,
     quantize_nvfp4_scale2,
 )
 from quantize.kernels.prepared import Prepared
+from quantize.kernels.scale_search import (
+    RTN,
+    check_candidates,
+    normalized_channel_weight,
+    quantize_nvfp4_search,
+)
 
 __all__ = ["BACKENDS", "MIN_COMPILED_ELEMENTS", "ORDERS", "Prepared", "choose_backend",
            "decode_e4m3", "e2m1_codes", "prepare_float", "prepare_fp8", "warm_up"]
-
-ORDERS = ("global", "scale_2")
-"""Arithmetic orders: compressed-tensors' (``quantize_nvfp4``, quantize-direction global
-scale) and nvidia-modelopt's (``quantize_nvfp4_scale2``, dequant-direction ``scale_2``)."""
 
 MIN_COMPILED_ELEMENTS = 1 << 20
 """With ``auto``, smaller weights use the reference: compiling costs seconds once per process,
@@ -122,6 +125,82 @@ def _block_scales(block_amax, scalar, six, order: str):
     return sf.to(torch.float8_e4m3fn), eff
 
 
+def encode_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Positive float32 values exactly representable in e4m3 -> their bytes as int32 (the
+    inverse of :func:`decode_e4m3`): ``v * 2^9`` below 2^-6 (subnormals), else the float32
+    exponent and top 3 mantissa bits, ``(bits >> 20) - (120 << 3)``."""
+    return torch.where(v < 2.0**-6, (v * 512.0).to(torch.int32), (v.view(torch.int32) >> 20) - (120 << 3))
+
+
+def e2m1_round(q: torch.Tensor) -> torch.Tensor:
+    """The e2m1 value (float32, sign of q) of the code :func:`e2m1_codes` gives ``q``:
+    ``min(round_half_even(|q| * 2^k) / 2^k, 6)`` with the same binade factor ``2^k``, so equal
+    to ``E2M1_LUT[e2m1_codes(q)]`` (a negative q that rounds to zero gives -0.0)."""
+    a = q.abs()
+    lt2, lt4 = a < 2.0, a < 4.0
+    mult = torch.where(lt2, 2.0, torch.where(lt4, 1.0, 0.5))
+    inv = torch.where(lt2, 0.5, torch.where(lt4, 1.0, 2.0))
+    v = torch.clamp(torch.round(a * mult) * inv, max=6.0)
+    return torch.where(q < 0, -v, v)
+
+
+def _search_bases(block_amax, scalar, six, four, order: str):
+    """e4m3 bytes (int32) of the scales mapping each block amax to 6 (RTN) and to 4."""
+    fn = nvfp4_block_scale_scale2 if order == "scale_2" else nvfp4_block_scale
+    return encode_e4m3(fn(block_amax, scalar, six)), encode_e4m3(fn(block_amax, scalar, four))
+
+
+def _search_step(wt_, cw, block_amax, c6, c4, is_four, off, scalar, best, best_code, order: str):
+    """Score one candidate ``(4 if is_four else 6, off)`` of every block (kernels/scale_search.py,
+    same arithmetic) and keep it where it errs strictly less than ``best``.
+
+    ``wt_`` float32 [16, ...]: the weights element-major, so that the pairwise tree over the 16
+    elements adds whole vectors of blocks; ``cw`` the normalized channel weight broadcastable
+    to it, or None; ``block_amax``, ``c6``, ``c4``, ``best``, ``best_code`` [...];
+    ``is_four`` and ``off`` 0-dim int32 (tensors, so that one compiled graph serves every
+    candidate)."""
+    code = torch.where(block_amax > 0, torch.clamp(torch.where(is_four != 0, c4, c6) + off, 0x01, 0x7E), c6)
+    sf = decode_e4m3(code)
+    q = wt_ / (sf * scalar if order == "scale_2" else sf / scalar)
+    d = e2m1_round(q) - q
+    e = d * d
+    if cw is not None:
+        e = e * cw
+    while e.shape[0] > 1:
+        e = e[0::2] + e[1::2]
+    score = e[0] * (sf * sf)
+    better = score < best
+    return torch.where(better, score, best), torch.where(better, code, best_code)
+
+
+def _search_final(best_code, scalar, order: str):
+    sf = decode_e4m3(best_code)
+    eff = sf * scalar if order == "scale_2" else sf / scalar
+    return sf.to(torch.float8_e4m3fn), eff
+
+
+def _fp8_weights_t(xu, s):
+    # xu uint8 [Nb, bh, Kb, bw/16, 16] -> float32 [16, Nb, bh, Kb, bw/16]
+    return (decode_e4m3(xu) * s[:, None, :, None, None]).movedim(-1, 0).contiguous()
+
+
+def _float_weights_t(x):
+    # x float [M, 16] -> float32 [16, M]
+    return x.to(torch.float32).movedim(-1, 0).contiguous()
+
+
+def _search(wt_, cw, block_amax, scalar, order, candidates):
+    """The search over ``candidates`` as one compiled graph per step (see _search_step)."""
+    c6, c4 = _run("search_bases", block_amax, scalar, _SIX, _FOUR, order)
+    best = torch.full_like(block_amax, float("inf"))
+    best_code = c6
+    for t, off in candidates:
+        best, best_code = _run("search_step", wt_, cw, block_amax, c6, c4,
+                               torch.tensor(int(t == 4), dtype=torch.int32),
+                               torch.tensor(off, dtype=torch.int32), scalar, best, best_code, order)
+    return _run("search_final", best_code, scalar, order)
+
+
 def _fp8_codes(xu, s, eff):
     # xu uint8 [Nb, bh, Kb, bw/16, 16]; s float32 [Nb, Kb]; eff float32 [Nb, bh, Kb, bw/16]
     w = decode_e4m3(xu) * s[:, None, :, None, None]
@@ -155,7 +234,9 @@ def _compiled(name: str):
     process never runs 16-wide in a 2-core worker."""
     fn = {"fp8_block_amax": _fp8_block_amax, "block_scales": _block_scales,
           "fp8_codes": _fp8_codes, "float_block_amax": _float_block_amax,
-          "float_codes": _float_codes, "pack_pairs": _pack_pairs}[name]
+          "float_codes": _float_codes, "pack_pairs": _pack_pairs, "search_bases": _search_bases,
+          "search_step": _search_step, "search_final": _search_final,
+          "fp8_weights_t": _fp8_weights_t, "float_weights_t": _float_weights_t}[name]
     return torch.compile(fn, dynamic=False, options={"cpp.dynamic_threads": True})
 
 
@@ -228,21 +309,39 @@ def choose_backend(requested: str, device: torch.device, numel: int | None = Non
 
 # ---- prepared weights ------------------------------------------------------------------------
 
+class _Search:
+    """What a search-enabled :class:`Prepared` keeps: the checked candidates and the normalized
+    channel weight (float32 [K] or None); ``on`` is False for round-to-nearest."""
+
+    def __init__(self, candidates, channel_weight, k: int):
+        self.candidates = check_candidates(candidates)
+        self.on = self.candidates != RTN
+        self.cw = normalized_channel_weight(channel_weight, k) if self.on else None
+
+
+_SIX, _FOUR = torch.tensor(6.0), torch.tensor(4.0)
+
+
 class _Reference(Prepared):
-    def __init__(self, w: torch.Tensor, device: torch.device, order: str):
+    def __init__(self, w: torch.Tensor, device: torch.device, order: str, search: _Search):
         self.w = w.to(device=device, dtype=torch.float32)
         self.amax = self.w.abs().amax()
-        self.order = order
+        self.order, self.search = order, search
 
     def quantize(self, scalar):
-        fn = quantize_nvfp4_scale2 if self.order == "scale_2" else quantize_nvfp4
-        p, s = fn(self.w, scalar)
+        if self.search.on:
+            p, s = quantize_nvfp4_search(self.w, scalar, order=self.order,
+                                         channel_weight=self.search.cw,
+                                         candidates=self.search.candidates)
+        else:
+            fn = quantize_nvfp4_scale2 if self.order == "scale_2" else quantize_nvfp4
+            p, s = fn(self.w, scalar)
         return p.cpu(), s.cpu()
 
 
 class _InductorFp8(Prepared):
-    def __init__(self, weight, scale, block, order: str):
-        self.order = order
+    def __init__(self, weight, scale, block, order: str, search: _Search):
+        self.order, self.search = order, search
         n, k = weight.shape
         bh, bw = block
         nb, kb = scale.shape
@@ -254,10 +353,17 @@ class _InductorFp8(Prepared):
         self.s = scale.to(torch.float32).contiguous()
         self.block_amax = _run("fp8_block_amax", self.xu, self.s)
         self.amax = self.block_amax.amax()
+        self.cw = None
+        if search.cw is not None:  # padded channels weigh 0 (their weights are 0 too)
+            cw = torch.nn.functional.pad(search.cw, (0, kb * bw - k)).view(kb, bw // _G, _G)
+            self.cw = cw.movedim(-1, 0)[:, None, None].contiguous()  # [16, 1, 1, Kb, bw/16]
 
     def quantize(self, scalar):
-        sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), torch.tensor(6.0),
-                       self.order)
+        if self.search.on:
+            sf, eff = _search(_run("fp8_weights_t", self.xu, self.s), self.cw, self.block_amax,
+                              self._scalar(scalar), self.order, self.search.candidates)
+        else:
+            sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), _SIX, self.order)
         codes = _run("fp8_codes", self.xu, self.s, eff)
         nb, bh, kb, bg, _ = self.xu.shape
         codes = codes.view(nb * bh, kb * bg * _G)[: self.n, : self.k]
@@ -266,16 +372,25 @@ class _InductorFp8(Prepared):
 
 
 class _InductorFloat(Prepared):
-    def __init__(self, w, order: str):
-        self.order = order
+    def __init__(self, w, order: str, search: _Search):
+        self.order, self.search = order, search
         self.n, self.k = w.shape
         self.x = w.contiguous().view(-1, _G)
         self.block_amax = _run("float_block_amax", self.x)
         self.amax = self.block_amax.amax()
 
     def quantize(self, scalar):
-        sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), torch.tensor(6.0),
-                       self.order)
+        if self.search.on:
+            cw = None
+            if self.search.cw is not None:  # [16, 1, K/16], broadcast over the rows
+                cw = self.search.cw.view(self.k // _G, _G).movedim(-1, 0)[:, None].contiguous()
+            nb = self.k // _G
+            sf, eff = _search(_run("float_weights_t", self.x).view(_G, self.n, nb), cw,
+                              self.block_amax.view(self.n, nb), self._scalar(scalar), self.order,
+                              self.search.candidates)
+            sf, eff = sf.reshape(-1), eff.reshape(-1)
+        else:
+            sf, eff = _run("block_scales", self.block_amax, self._scalar(scalar), _SIX, self.order)
         codes = _run("float_codes", self.x, eff)
         return _pack(codes.view(self.n, self.k)), sf.view(self.n, self.k // _G)
 
@@ -287,7 +402,8 @@ def _check(shape, k_groups_ok: bool = True) -> None:
 
 def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                 backend: str = "reference", device: torch.device | str = "cpu",
-                order: str = "global") -> Prepared:
+                order: str = "global", candidates: tuple[tuple[int, int], ...] = RTN,
+                channel_weight: torch.Tensor | None = None) -> Prepared:
     """Prepare a block-scaled FP8 weight for NVFP4 quantization.
 
     Args:
@@ -297,14 +413,19 @@ def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
             straddles two FP8 scale blocks) and use the reference otherwise.
         backend: a name from :func:`choose_backend` (not ``auto``).
         device: where the reference and triton backends compute.
-        order: an arithmetic order from :data:`ORDERS`; Triton implements ``global`` and
-            uses the reference on the device for ``scale_2``.
+        order: an arithmetic order from :data:`ORDERS`; Triton implements both.
+        candidates: the block-scale candidates (``quantize.kernels.scale_search``); the
+            default :data:`RTN` is round-to-nearest.
+        channel_weight: float32 [K] >= 0 weighting the search's squared error per input
+            channel (calibration mean of x^2), or None.
 
     Returns:
-        :class:`Prepared`; its bytes equal the reference's for every backend.
+        :class:`Prepared`; its bytes equal the reference's
+        (:func:`quantize.kernels.scale_search.quantize_nvfp4_search`) for every backend.
 
     Raises:
-        ValueError: K not a multiple of 16, or a scale grid that does not match the weight.
+        ValueError: K not a multiple of 16, a scale grid that does not match the weight, an
+            unknown order, bad candidates or channel weight.
     """
     _check(weight.shape)
     bh, bw = block
@@ -315,18 +436,22 @@ def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
                          f"block {bh}x{bw} (expected {want[0]}x{want[1]})")
     if order not in ORDERS:
         raise ValueError(f"order {order!r} is not one of {', '.join(ORDERS)}")
+    search = _Search(candidates, channel_weight, k)
     if backend == "inductor" and bw % _G == 0:
-        return _InductorFp8(weight, scale, block, order)
-    if backend == "triton" and bw % _G == 0 and order == "global":
+        return _InductorFp8(weight, scale, block, order, search)
+    if backend == "triton" and bw % _G == 0:
         from quantize.kernels.triton_nvfp4 import TritonFp8
 
-        return TritonFp8(weight, scale, block, torch.device(device))
+        return TritonFp8(weight, scale, block, torch.device(device), order, search.candidates,
+                         search.cw)
     dev = torch.device(device)
-    return _Reference(dequantize_fp8_block(weight.to(dev), scale.to(dev), block), dev, order)
+    return _Reference(dequantize_fp8_block(weight.to(dev), scale.to(dev), block), dev, order, search)
 
 
 def prepare_float(w: torch.Tensor, backend: str = "reference",
-                  device: torch.device | str = "cpu", order: str = "global") -> Prepared:
+                  device: torch.device | str = "cpu", order: str = "global",
+                  candidates: tuple[tuple[int, int], ...] = RTN,
+                  channel_weight: torch.Tensor | None = None) -> Prepared:
     """Prepare a float weight (bf16 / fp16 / fp32 [N, K], K a multiple of 16) for NVFP4.
 
     Same contract as :func:`prepare_fp8`; ``triton`` uses the reference on ``device`` (a dense
@@ -335,6 +460,7 @@ def prepare_float(w: torch.Tensor, backend: str = "reference",
     _check(w.shape)
     if order not in ORDERS:
         raise ValueError(f"order {order!r} is not one of {', '.join(ORDERS)}")
+    search = _Search(candidates, channel_weight, w.shape[1])
     if backend == "inductor":
-        return _InductorFloat(w, order)
-    return _Reference(w, torch.device(device), order)
+        return _InductorFloat(w, order, search)
+    return _Reference(w, torch.device(device), order, search)

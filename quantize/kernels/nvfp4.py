@@ -34,6 +34,7 @@ from quantize.kernels.dtypes import (
 )
 
 __all__ = [
+    "ORDERS",
     "global_scale_from_amax",
     "nvfp4_block_scale",
     "nvfp4_block_scale_scale2",
@@ -45,6 +46,10 @@ __all__ = [
     "unpack_e2m1",
     "round_to_e2m1_codes",
 ]
+
+ORDERS = ("global", "scale_2")
+"""Arithmetic orders: compressed-tensors' (:func:`quantize_nvfp4`, quantize-direction global
+scale) and nvidia-modelopt's (:func:`quantize_nvfp4_scale2`, dequant-direction ``scale_2``)."""
 
 
 def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:

@@ -187,11 +187,26 @@ def test_modelopt_w4a4_input_scale_and_kv_scales(llama, tmp_path):
                for n, v in w.items())
 
 
-def test_scale_search_refuses_modelopt_order(llama, tmp_path):
+def test_scale_search_in_modelopt_order(llama, tmp_path):
+    """ModelOpt output takes the block-scale search (its scale_2 order): the weighted search
+    changes block scales against RTN, and the compiled kernel writes the reference's bytes."""
+    from conftest import assert_same_build
+
+    from quantize.kernels.fused import _has_cxx
+
     _, src, _, _, stats_dir = llama
-    with pytest.raises(ValueError, match="--scales mse .*'scale_2' order"):
-        convert(src, tmp_path / "a", fmt="modelopt", scales="mse", progress=False)
-    assert not (tmp_path / "a").exists()
+    opts = {"fmt": "modelopt", "progress": False, "device": "cpu", "calibration": stats_dir}
+    convert(src, tmp_path / "rtn", kernel="reference", **opts)
+    convert(src, tmp_path / "ref", kernel="reference", scales="mse-act", **opts)
+    rtn, _ = read_all(tmp_path / "rtn")
+    got, _ = read_all(tmp_path / "ref")
+    scales = [n for n in got if n.endswith(".weight_scale")]
+    assert scales and set(got) == set(rtn)
+    changed = [n for n in scales if not torch.equal(got[n].view(torch.uint8), rtn[n].view(torch.uint8))]
+    assert len(changed) == len(scales)  # every NVFP4 weight has blocks whose scale moved
+    if _has_cxx():
+        convert(src, tmp_path / "fast", kernel="inductor", scales="mse-act", **opts)
+        assert_same_build(tmp_path / "ref", tmp_path / "fast")
 
 
 def test_check_build_runs_the_calibration_rules(llama, tmp_path):
@@ -217,8 +232,8 @@ def test_check_build_runs_the_calibration_rules(llama, tmp_path):
 
 def test_fast_kernel_and_workers_write_the_reference_calibrated_build(llama, tmp_path):
     """W4A4 input scales and FP8 KV scales through the compiled kernel in two worker
-    processes: the single-process reference build's bytes. The block-scale search (mse) runs
-    the reference arithmetic whatever the kernel, so it matches too."""
+    processes: the single-process reference build's bytes, with the block-scale search (mse)
+    in the compiled kernel too."""
     from conftest import assert_same_build
 
     from quantize.kernels.fused import _has_cxx

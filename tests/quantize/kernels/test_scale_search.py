@@ -13,7 +13,7 @@ from quantize.kernels.nvfp4 import (
     global_scale_from_amax,
     quantize_nvfp4,
 )
-from quantize.kernels.scale_search import block_errors, quantize_nvfp4_search
+from quantize.kernels.scale_search import RTN, block_errors, quantize_nvfp4_search
 
 
 def _w(n=64, k=256, seed=0):
@@ -26,7 +26,7 @@ def test_offset_zero_is_rtn_byte_for_byte():
     w[5, 32:48] = 0.0  # an all-zero block
     g = global_scale_from_amax(w.abs().max())
     p0, s0 = quantize_nvfp4(w, g)
-    p1, s1 = quantize_nvfp4_search(w, g, offsets=(0,))
+    p1, s1 = quantize_nvfp4_search(w, g, candidates=RTN)
     assert torch.equal(p0, p1) and torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
 
 
@@ -37,7 +37,8 @@ def test_search_never_worse_per_block_and_better_overall():
     mse = quantize_nvfp4_search(w, g)
     e_rtn, e_mse = block_errors(w, rtn, g), block_errors(w, mse, g)
     assert (e_mse <= e_rtn).all()
-    assert e_mse.sum() < 0.9 * e_rtn.sum()  # Gaussian weights: about 18 % less squared error
+    # Gaussian weights: about 27 % less squared error than RTN with the default candidates
+    assert e_mse.sum() < 0.75 * e_rtn.sum()
     codes = mse[1].view(torch.uint8)
     assert ((codes >= 0x01) & (codes <= 0x7E)).all()  # no zero, negative or NaN scale (FC-11)
 
@@ -70,8 +71,10 @@ def test_channel_weights_steer_the_error():
     assert block_errors(w, weighted, g).sum() >= block_errors(w, plain, g).sum()
     with pytest.raises(ValueError, match="channel_weight has shape"):
         quantize_nvfp4_search(w, g, channel_weight=torch.ones(16))
-    with pytest.raises(ValueError, match="must include 0"):
-        quantize_nvfp4_search(w, g, offsets=(-1, 1))
+    with pytest.raises(ValueError, match=r"the first scale candidate must be \(6, 0\), round-to-nearest"):
+        quantize_nvfp4_search(w, g, candidates=((6, -1), (6, 1)))
+    with pytest.raises(ValueError, match=r"scale candidate \(5, 0\): target must be one of \(6, 4\)"):
+        quantize_nvfp4_search(w, g, candidates=((6, 0), (5, 0)))
 
 
 def test_activation_scales():
