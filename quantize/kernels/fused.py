@@ -246,7 +246,7 @@ def warm_up(order: str = "global") -> None:
     dimension dynamic (none of size 1), so the graphs serve every weight shape of that block
     layout. Float sources compile their two graphs on first use."""
     w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
-    _InductorFp8(w, torch.ones(2, 4), (128, 128), order).quantize(torch.ones(()))
+    _InductorFp8(w, torch.ones(2, 4), (128, 128), order, _Search(RTN, None, 512)).quantize(torch.ones(()))
 
 
 def _run(name: str, *args):
