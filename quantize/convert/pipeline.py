@@ -265,6 +265,9 @@ class ConvertOptions:
         workers: processes on this machine (``quantize.convert.parallel``); under torchrun (an
             initialized torch.distributed group) the ranks divide the shards instead. Several
             processes need a local source folder.
+        allow_unknown_arch: convert a ``model_type`` the architecture map does not know,
+            planned from tensor names alone (pre-flight refuses it otherwise; the assumption is
+            a note of the summary and the manifest).
     """
 
     scheme: str = "w4a16"
@@ -282,6 +285,7 @@ class ConvertOptions:
     min_expert_tokens: int | None = None
     kernel: str = "auto"
     workers: int = 1
+    allow_unknown_arch: bool = False
 
 
 @dataclass
@@ -745,7 +749,8 @@ def _preflight(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType) ->
         calib, calib_err = None, e
     kv = tuple(calib.stats.kv_amax) if calib and calib.stats and opts.kv_cache else ()
     pre = preflight(src, out, recipe=rec, resume=opts.resume, fmt=opts.fmt, tp=opts.tp,
-                    engine=opts.engine, carry_skip=_CARRY_SKIP, scheme=opts.scheme, kv_attention=kv)
+                    engine=opts.engine, carry_skip=_CARRY_SKIP, scheme=opts.scheme, kv_attention=kv,
+                    allow_unknown_arch=opts.allow_unknown_arch)
     pre.raise_if_errors(Path(src).name if not isinstance(src, Source) else src.folder.name)
     if calib_err is not None:
         raise calib_err

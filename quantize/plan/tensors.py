@@ -35,10 +35,10 @@ from formats.engines import (
 )
 from formats.sources import LogicalTensor, Source
 from quantize import archs
-from quantize.base.errors import RecipeError
+from quantize.base.errors import RecipeError, SourceError
 from quantize.plan.recipe import Recipe, Target
 
-__all__ = ["Decision", "plan_tensors", "module_of", "dropped_tensors", "predict_outputs", "unplaced",
+__all__ = ["Decision", "plan_tensors", "arch_assumption", "module_of", "dropped_tensors", "predict_outputs", "unplaced",
            "unplaced_note", "UNPLACED",
            "predicted_bytes", "fp8_passthrough", "explain", "kv_scale_anchor"]
 
@@ -101,17 +101,24 @@ def tied_embeddings(config: dict) -> bool:
     return bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
 
 
-def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "vllm") -> dict[str, Decision]:
+def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "vllm",
+                 allow_unknown_arch: bool = False) -> dict[str, Decision]:
     """Decide every logical tensor of ``source``.
 
     Args:
         tp: tensor-parallel size the build will be served with (per-shard alignment).
         engine: whose alignment rules apply (``formats.engines.ENGINES``).
+        allow_unknown_arch: plan a ``model_type`` the architecture map does not know
+            (``archs.unknown_model_type``) from tensor names alone (``archs.NAME_ONLY_RULES``;
+            :func:`arch_assumption` states the result).
 
     Returns:
         logical tensor name -> Decision, for every tensor the source has.
 
     Raises:
+        SourceError: the config's ``model_type`` is not in ``archs.KNOWN_MODEL_TYPES`` and
+            ``allow_unknown_arch`` is false (``key`` ``model_type``; the message names the known
+            ones and the flag).
         RecipeError: the recipe splits a fused group (names the group and each member's
             target), or the routed experts of one MoE layer would mix schemes at this TP
             (names the layer, one expert weight, its target and why), or the plan quantizes
@@ -119,6 +126,8 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
             error rows; names the count per role, the first tensor and the engine source).
     """
     config = source.config
+    if (mt := archs.unknown_model_type(config)) is not None and not allow_unknown_arch:
+        raise SourceError(archs.unknown_arch_message(mt), key="model_type")
     names = set(source.tensors)
     modules = {m for n in names if (m := module_of(n)) is not None}
     out: dict[str, Decision] = {}
@@ -163,6 +172,37 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
     _refuse_mixed_moe(out, source, recipe, tp)
     _refuse_model_rules(out, config, recipe, engine)
     return out
+
+
+def arch_assumption(config: dict, decisions: dict[str, Decision]) -> str | None:
+    """The one line stating what a plan of an unknown ``model_type`` assumed
+    (``archs.unknown_model_type``; None for a known one): the name-only rules, then the Linear
+    weights kept high precision per sensitive role and those quantized per target and role,
+    counted from ``decisions``."""
+    mt = archs.unknown_model_type(config)
+    if mt is None:
+        return None
+    kept: dict[str, int] = {}
+    quant: dict[str, dict[str, int]] = {}
+    other = 0
+    for d in decisions.values():
+        if d.reason.startswith("sensitive: "):
+            role = d.reason[len("sensitive: "):]
+            kept[role] = kept.get(role, 0) + 1
+        elif d.target.quantized:
+            role = "/".join(sorted(d.roles)) or "no role"
+            per = quant.setdefault(d.target.value, {})
+            per[role] = per.get(role, 0) + 1
+        elif not d.reason.startswith("not a Linear weight"):
+            other += 1
+
+    def counts(c: dict[str, int]) -> str:
+        return ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"
+
+    q = "; ".join(f"{t}: {counts(c)}" for t, c in sorted(quant.items())) or "none"
+    return (f"model_type {mt} is not in the architecture map; planned from tensor names alone "
+            f"(--allow-unknown-arch): {archs.NAME_ONLY_RULES}. High precision: {counts(kept)}; "
+            f"quantized: {q}; other Linear weights left unquantized by the recipe or alignment: {other}")
 
 
 def unplaced(decisions: dict[str, Decision]) -> list[str]:
@@ -307,7 +347,7 @@ def predicted_bytes(source: Source, decisions: dict[str, Decision], fmt: str) ->
 
 
 def explain(source: Source, recipe: Recipe, fmt: str = "compressed-tensors", *, tp: int = 1,
-            engine: str = "vllm", summary_only: bool = False) -> str:
+            engine: str = "vllm", summary_only: bool = False, allow_unknown_arch: bool = False) -> str:
     """The table behind ``quantize recipe show``: every tensor's target, reason and predicted
     output bytes, then totals per target and the resulting build size (tensor bytes, the
     ``metadata.total_size`` the build will have).
@@ -315,7 +355,7 @@ def explain(source: Source, recipe: Recipe, fmt: str = "compressed-tensors", *, 
     Raises:
         RecipeError: from :func:`plan_tensors`.
     """
-    decisions = plan_tensors(source, recipe, tp=tp, engine=engine)
+    decisions = plan_tensors(source, recipe, tp=tp, engine=engine, allow_unknown_arch=allow_unknown_arch)
     sizes = predicted_bytes(source, decisions, fmt)
     lines = []
     if not summary_only:
@@ -339,4 +379,6 @@ def explain(source: Source, recipe: Recipe, fmt: str = "compressed-tensors", *, 
                      f"{nbytes / 2**30:>10.2f} GiB")
     lines.append(f"  source {bytes_in:,} bytes ({bytes_in / 2**30:.2f} GiB) -> build {total:,} bytes "
                  f"({total / 2**30:.2f} GiB, {total / 1e9:.1f} GB)")
+    if (assumed := arch_assumption(source.config, decisions)) is not None:
+        lines.append(f"note: {assumed}")
     return "\n".join(lines)
