@@ -61,6 +61,18 @@ def _local_src(src: str) -> Path:
     raise SparkQuantError(f"--src {src}: no such folder or descriptor .json")
 
 
+def _is_descriptor(p: Path) -> bool:
+    """Whether the JSON file ``p`` is a header-only descriptor (``{"config", "tensors"}``)."""
+    import json
+
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("config"), dict) \
+        and isinstance(data.get("tensors"), dict)
+
+
 def _resolve_src(src: str, out: str | None, keep_source: bool):
     """--src -> (folder or opened Source, provenance, Hub fetcher or None, output folder)."""
     if src == "demo":
@@ -72,6 +84,10 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
     from quantize.hub.download import REPO_REF, open_hub_source
 
     p = Path(src)
+    if p.is_file() and p.suffix == ".json" and not _is_descriptor(p):
+        raise SparkQuantError(f"--src {src} is a JSON file, not a source (a model's config.json is "
+                              f"read from its folder): convert the folder that holds config.json "
+                              f"and the safetensors shards (--src {p.parent})")
     if p.is_file() and p.suffix == ".json":
         raise SparkQuantError(
             f"--src {src} is a header-only descriptor: it has no weights to convert; use it with "
@@ -290,12 +306,36 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from quantize.inspect.check import check_build, render_check
 
-    findings = check_build(_folder(args.build), engine=args.engine, tp=args.tp)
+    build = _folder(args.build)
+    engine, tp, said = _check_target(build, args.engine, args.tp)
+    findings = check_build(build, engine=engine, tp=tp)
     for f in findings:
         print(render_check(f))
     errors = sum(f.level == "error" for f in findings)
-    print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {args.engine} TP={args.tp}")
+    print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {engine} "
+          f"TP={tp}{said}")
     return 1 if errors else 0
+
+
+def _check_target(build: Path, engine: str | None, tp: int | None) -> tuple[str, int, str]:
+    """The engine and TP ``quantize check`` applies: the flags, else what the build's manifest
+    records (``options.engine`` / ``options.tp``, as ``quantize verify`` does), else vllm / 1;
+    and the words saying where those not given came from ("" when both were given)."""
+    import json
+
+    from formats.manifest import MANIFEST_NAME
+
+    if engine is not None and tp is not None:
+        return engine, tp, ""
+    try:
+        opts = json.loads((build / MANIFEST_NAME).read_text()).get("options") or {}
+    except (OSError, ValueError, AttributeError):
+        opts = None
+    which = " and ".join(w for w, v in (("engine", engine), ("TP", tp)) if v is None)
+    if isinstance(opts, dict) and opts.get("engine") in ENGINES and isinstance(opts.get("tp"), int):
+        return (engine or opts["engine"], tp or opts["tp"],
+                f" ({which} as {MANIFEST_NAME} records; --engine / --tp check another)")
+    return engine or "vllm", tp or 1, f" (default {which}: no {MANIFEST_NAME} records them)"
 
 
 def _cmd_upload(args: argparse.Namespace) -> int:
@@ -530,8 +570,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="will an engine load this build? (headers, configs, scales)")
     c.add_argument("build", help="build folder")
-    c.add_argument("--engine", default="vllm", choices=ENGINES)
-    c.add_argument("--tp", type=_int_at_least(1), default=1)
+    c.add_argument("--engine", choices=ENGINES,
+                   help="default: the engine the build's manifest records, else vllm")
+    c.add_argument("--tp", type=_int_at_least(1),
+                   help="default: the TP the build's manifest records, else 1")
     c.set_defaults(func=_cmd_check)
     u = sub.add_parser("upload", help="publish a finished build to the Hub (eval gate, model card)")
     u.add_argument("build", help="a finished `quantize nvfp4` output folder")

@@ -339,7 +339,9 @@ def test_spark_mixed_w4a4_build_passes_its_final_check(glm5_next_src, tmp_path, 
     rc, stdout, err = run(capsys, "nvfp4", "--src", glm5_next_src, "--out", tmp_path / "b",
                           "--recipe", "spark-mixed-w4a4", "--device", "cpu", "--quiet")
     assert (rc, err) == (0, "")
-    assert run(capsys, "check", tmp_path / "b")[:2] == (0, f"{tmp_path / 'b'}: 0 error(s), 0 warning(s) for vllm TP=1\n")
+    assert run(capsys, "check", tmp_path / "b")[:2] == (
+        0, f"{tmp_path / 'b'}: 0 error(s), 0 warning(s) for vllm TP=1 (engine and TP as "
+           "spark_quant_manifest.json records; --engine / --tp check another)\n")
 
 
 # ---- item 5: wrong configs are refused before any work, naming the key ----------------------
@@ -457,4 +459,112 @@ def test_unknown_model_type_is_refused_unless_accepted(cmd, tiny_fp8_llama, tmp_
         rc, stdout, err = run(capsys, "check", out)
         assert (rc, stdout) == (0, f"WARNING [config] config.json: model_type 'llama_deluxe' is not in "
                                    f"the architecture map: checked from tensor names alone ({NAME_ONLY})\n"
-                                   f"{out}: 0 error(s), 1 warning(s) for vllm TP=1\n")
+                                   f"{out}: 0 error(s), 1 warning(s) for vllm TP=1 (engine and TP "
+                                   "as spark_quant_manifest.json records; --engine / --tp check another)\n")
+
+
+# ---- fresh-eyes findings: check's engine and TP, advice that can help, config.json as --src, ----
+# ---- wrong-type layer counts, decoder and MTP layers counted apart --------------------------
+
+def test_check_uses_the_engine_and_tp_the_manifest_records(tiny_fp8_llama, tmp_path, capsys):
+    import json
+    import shutil
+
+    out = tmp_path / "b"
+    assert run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", out, "--device", "cpu", "--quiet",
+               "--tp", "2", "--engine", "sglang")[0] == 0
+    manifest = " as spark_quant_manifest.json records; --engine / --tp check another)"
+
+    def last(*args):
+        rc, stdout, err = run(capsys, "check", *args)
+        return rc, stdout.splitlines()[-1]
+
+    # (sglang warns that its compressed-tensors NVFP4 support is unconfirmed)
+    assert last(out) == (0, f"{out}: 0 error(s), 1 warning(s) for sglang TP=2 (engine and TP{manifest}")
+    assert last(out, "--tp", "4") == (0, f"{out}: 0 error(s), 1 warning(s) for sglang TP=4 (engine{manifest}")
+    assert last(out, "--tp", "1", "--engine", "vllm") == (0, f"{out}: 0 error(s), 0 warning(s) for vllm TP=1")
+    bare = tmp_path / "bare"  # a build without its manifest (another tool's): the defaults, said
+    shutil.copytree(out, bare)
+    (bare / "spark_quant_manifest.json").unlink()
+    assert run(capsys, "check", bare)[:2] == (
+        0, f"{bare}: 0 error(s), 0 warning(s) for vllm TP=1 (default engine and TP: no "
+           "spark_quant_manifest.json records them)\n")
+    assert json.loads((out / "spark_quant_manifest.json").read_text())["options"]["tp"] == 2
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_sglang_expert_alignment_advice_names_what_helps(tp, glm5_next_src, capsys):
+    rc, stdout, err = run(capsys, "recipe", "show", "--src", glm5_next_src, "--summary",
+                          "--engine", "sglang", "--tp", tp)
+    why = {1: "K=128 is not a multiple of 256 for nvfp4 on sglang (SGLang modelopt_quant.py "
+              "ModelOptNvFp4FusedMoEMethod asserts weight_scale.shape[2] % 16)",
+           2: "K/TP=128/2=64 is not a multiple of 256 for nvfp4 on sglang (SGLang modelopt_quant.py "
+              "ModelOptNvFp4FusedMoEMethod asserts weight_scale.shape[2] % 16)",
+           3: "K=128 does not split over TP=3"}[tp]
+    engines = "" if tp == 3 else "serve it with --engine vllm or trtllm, or "
+    assert (rc, stdout, err) == (1, "", (
+        f"error: recipe spark-mixed at TP={tp} mixes ['nvfp4', 'unquantized'] in the routed experts "
+        "of model.language_model.layers.1.mlp.experts (and 3 more MoE layer(s)): "
+        f"model.language_model.layers.1.mlp.experts.0.down_proj.weight -> bf16 ({why}); engines "
+        "load one scheme per MoE layer, so this build would fail its final check: no --tp helps "
+        "(K=128 is not a multiple of 256 for nvfp4 on sglang even at TP=1): " + engines +
+        "use a recipe that gives these experts one target sglang loads at this shape (bf16 keeps "
+        "them all unquantized)\n"))
+
+
+DESCRIPTOR = '{"config": {...}, "tensors": {name: {"dtype", "shape"}}}'
+
+
+@pytest.mark.parametrize("cmd", ["preflight", "recipe show", "plan", "nvfp4"])
+def test_config_json_as_src_is_named_for_what_it_is(cmd, tiny_fp8_llama, tmp_path, capsys):
+    cfg = tiny_fp8_llama / "config.json"
+    args = {"preflight": ["preflight", cfg], "recipe show": ["recipe", "show", "--src", cfg],
+            "plan": ["plan", "--src", cfg], "nvfp4": ["nvfp4", "--src", cfg, "--out", tmp_path / "o"]}[cmd]
+    rc, stdout, err = run(capsys, *args)
+    if cmd == "nvfp4":
+        assert (rc, err) == (1, f"error: --src {cfg} is a JSON file, not a source (a model's "
+                                "config.json is read from its folder): convert the folder that holds "
+                                f"config.json and the safetensors shards (--src {tiny_fp8_llama})\n")
+    else:
+        assert (rc, stdout, err) == (1, "", f"error: {cfg} is a model's config.json, not a header-only "
+                                            f"descriptor {DESCRIPTOR}: give the folder that holds it "
+                                            f"and its shards ({tiny_fp8_llama})\n")
+    assert not (tmp_path / "o").exists()
+
+
+def test_json_that_is_no_descriptor(tmp_path, capsys):
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    (tmp_path / "bad.json").write_text('{"a": ')
+    assert run(capsys, "preflight", tmp_path / "other.json") == (
+        1, "", f"error: other.json is not a header-only descriptor {DESCRIPTOR}: it has no 'config' "
+               "and no 'tensors' object\n")
+    assert run(capsys, "recipe", "show", "--src", tmp_path / "bad.json") == (
+        1, "", "error: bad.json is not valid JSON (Expecting value: line 1 column 7 (char 6)); a "
+               f"header-only descriptor is {DESCRIPTOR}\n")
+
+
+@pytest.mark.parametrize("cmd", ["preflight", "recipe show", "plan"])
+def test_wrong_type_layer_count_is_named_by_every_command(cmd, glm5_next_src, tmp_path, capsys):
+    src = _glm_with(tmp_path, glm5_next_src, lambda cfg: cfg["text_config"].update(num_hidden_layers="abc"))
+    args = {"preflight": ["preflight", src], "recipe show": ["recipe", "show", "--src", src],
+            "plan": ["plan", "--src", src]}[cmd]
+    rc, stdout, err = run(capsys, *args)
+    wrong = "config.json text_config.num_hidden_layers is 'abc': it must be a non-negative integer"
+    if cmd == "preflight":
+        assert (rc, stdout.splitlines()[1:], err) == (1, [
+            f"error: [config] {wrong}",
+            "info: [layout] config.json text_config.num_hidden_layers is 'abc' (str, not a "
+            "non-negative integer): layers, MTP layers and experts not checked against it"], "")
+    else:
+        assert (rc, stdout, err) == (1, "", f"error: {wrong}\n")
+
+
+def test_layer_count_warning_states_decoder_and_mtp_layers(glm5_next_src, tmp_path, capsys):
+    src = _glm_with(tmp_path, glm5_next_src, lambda cfg: cfg["text_config"].update(num_hidden_layers=3))
+    rc, stdout, err = run(capsys, "preflight", src)
+    assert (rc, stdout.splitlines()[1:], err) == (1, [
+        "error: [layout] MTP layer 3 (num_hidden_layers + 0) lacks enorm.weight, hnorm.weight, "
+        "eh_proj.weight, shared_head.norm.weight",
+        "warning: [layout] checkpoint has layer(s) 4 beyond the 3 decoder layer(s) (0-2, "
+        "num_hidden_layers=3) and 1 MTP layer(s) (3, num_nextn_predict_layers=1) config.json "
+        "declares; they are converted as stored"], "")

@@ -166,16 +166,6 @@ def _scale_findings(info, s: torch.Tensor, weight: str) -> list[Finding]:
                     shard=info.shard) for level, msg in found]
 
 
-# Config keys read as counts or sizes (archs, fit, the fixtures): a non-negative integer when
-# present; the ``*_lora_rank`` keys may also be null (no low-rank projection).
-_INT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size",
-             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-             "max_position_embeddings", "n_routed_experts", "num_experts", "n_shared_experts",
-             "num_experts_per_tok", "num_nextn_predict_layers", "kv_lora_rank", "q_lora_rank",
-             "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "index_n_heads",
-             "index_topk")
-
-
 def _config_findings(config: dict, modules: set[str], allow_unknown_arch: bool = False) -> list[Finding]:
     """Config values of the wrong type (each names its key), a ``model_type`` the
     architecture map does not know (``archs.unknown_model_type``; an error unless
@@ -185,16 +175,8 @@ def _config_findings(config: dict, modules: set[str], allow_unknown_arch: bool =
     out = []
     if (unknown := archs.unknown_model_type(config)) is not None and not allow_unknown_arch:
         out.append(Finding("error", "config", archs.unknown_arch_message(unknown), key="model_type"))
-    for where, cfg in (("", config), ("text_config.", archs.text_config(config))):
-        if where and cfg is config:
-            continue
-        for key in _INT_KEYS:
-            v = cfg.get(key)
-            if key not in cfg or (v is None and key.endswith("_lora_rank")):
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                out.append(Finding("error", "config", f"config.json {where}{key} is {v!r}: it must "
-                                   "be a non-negative integer", key=where + key))
+    for key, message in archs.config_type_errors(config):
+        out.append(Finding("error", "config", message, key=key))
     mt = config.get("model_type")
     dsa = sorted(m for m in modules if m.endswith(".indexer.weights_proj"))
     if dsa and mt not in archs.DSA_MODEL_TYPES and archs.text_config(config).get("model_type") \

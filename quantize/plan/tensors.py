@@ -28,6 +28,7 @@ import torch
 
 from formats import get_writer
 from formats.engines import (
+    ENGINES,
     MOE_ONE_SCHEME,
     align_violations,
     mixed_moe_schemes,
@@ -116,7 +117,8 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
         logical tensor name -> Decision, for every tensor the source has.
 
     Raises:
-        SourceError: the config's ``model_type`` is not in ``archs.KNOWN_MODEL_TYPES`` and
+        SourceError: a config count or size of the wrong type (``archs.config_type_errors``,
+            ``key`` names it), or the config's ``model_type`` is not in ``archs.KNOWN_MODEL_TYPES`` and
             ``allow_unknown_arch`` is false (``key`` ``model_type``; the message names the known
             ones and the flag).
         RecipeError: the recipe splits a fused group (names the group and each member's
@@ -126,6 +128,8 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
             error rows; names the count per role, the first tensor and the engine source).
     """
     config = source.config
+    if bad := archs.config_type_errors(config):
+        raise SourceError(bad[0][1], key=bad[0][0])
     if (mt := archs.unknown_model_type(config)) is not None and not allow_unknown_arch:
         raise SourceError(archs.unknown_arch_message(mt), key="model_type")
     names = set(source.tensors)
@@ -169,7 +173,7 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
             out[d.name] = Decision(d.name, _kept(source.tensors[d.name]),
                                    f"fused group {d.group}: {odd[0]} is not {d.target.value} ({why})",
                                    d.group, d.members, d.roles)
-    _refuse_mixed_moe(out, source, recipe, tp)
+    _refuse_mixed_moe(out, source, recipe, tp, engine, wanted)
     _refuse_model_rules(out, config, recipe, engine)
     return out
 
@@ -222,9 +226,12 @@ def unplaced_note(decisions: dict[str, Decision]) -> str | None:
             f"ignore: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
 
 
-def _refuse_mixed_moe(out: dict[str, Decision], source: Source, recipe: Recipe, tp: int) -> None:
+def _refuse_mixed_moe(out: dict[str, Decision], source: Source, recipe: Recipe, tp: int,
+                      engine: str, wanted: dict[str, Target]) -> None:
     """The final ``quantize check`` rule on routed experts (``formats.engines.mixed_moe_schemes``)
-    applied to the plan, so a plan that would fail it is refused before any shard is written."""
+    applied to the plan, so a plan that would fail it is refused before any shard is written.
+    The advice is what can help: another ``--tp`` only when the expert loads unsplit (TP=1);
+    else the engines whose alignment rows it meets at this TP, or a recipe change."""
     kinds = {m: _kind(d.target) for n, d in out.items()
              if (m := module_of(n)) is not None and len(source.tensors[n].shape) == 2}
     mixed = mixed_moe_schemes(kinds)
@@ -236,11 +243,23 @@ def _refuse_mixed_moe(out: dict[str, Decision], source: Source, recipe: Recipe, 
     d = next(d for n, d in sorted(out.items())
              if n.startswith(prefix + ".") and kinds.get(module_of(n)) == minority)
     more = f" (and {len(mixed) - 1} more MoE layer(s))" if len(mixed) > 1 else ""
+    advice = ("choose a --tp that every expert projection splits over, or a recipe that gives "
+              "these experts one target")
+    asked = wanted.get(d.name)
+    if asked is not None and asked.quantized and not d.target.quantized:
+        shape, split = source.tensors[d.name].shape, archs.tp_split(module_of(d.name))
+        unsplit = align_violations(engine, asked.value, shape, split, 1, True)
+        if unsplit:
+            ok = [e for e in ENGINES if e != engine
+                  and not align_violations(e, asked.value, shape, split, tp, True)]
+            advice = (f"no --tp helps ({unsplit[0].split(' (')[0]} even at TP=1): "
+                      + (f"serve it with --engine {' or '.join(ok)}, or " if ok else "")
+                      + f"use a recipe that gives these experts one target {engine} loads at this "
+                      f"shape (bf16 keeps them all unquantized)")
     raise RecipeError(
         f"recipe {recipe.name} at TP={tp} mixes {found} in the routed experts of {prefix}{more}: "
         f"{d.name} -> {d.target.value} ({d.reason}); {MOE_ONE_SCHEME}, so this build would fail "
-        "its final check: choose a --tp that every expert projection splits over, or a recipe "
-        "that gives these experts one target", key=prefix)
+        f"its final check: {advice}", key=prefix)
 
 
 def _refuse_model_rules(out: dict[str, Decision], config: dict, recipe: Recipe, engine: str) -> None:
