@@ -417,12 +417,17 @@ def _eval_baseline(args: argparse.Namespace) -> str | None:
         return str(build_demo())
     if args.baseline is not None or args.baseline_endpoint:
         return args.baseline
+    from formats.manifest import recorded_source
+    from quantize.data.demo import demo_cache_dir
+
     try:
-        path = json.loads((Path(args.build) / MANIFEST_NAME).read_text())["source"]["path"]
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads((Path(args.build) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
         return None
-    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+    folder = recorded_source(Path(args.build), manifest, roots=(demo_cache_dir(),))
+    if folder is None:
         return None
+    path = str(folder.resolve())
     print(f"baseline: {path} (the source recorded in {Path(args.build) / MANIFEST_NAME})")
     return path
 

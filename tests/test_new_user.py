@@ -568,3 +568,43 @@ def test_layer_count_warning_states_decoder_and_mtp_layers(glm5_next_src, tmp_pa
         "warning: [layout] checkpoint has layer(s) 4 beyond the 3 decoder layer(s) (0-2, "
         "num_hidden_layers=3) and 1 MTP layer(s) (3, num_nextn_predict_layers=1) config.json "
         "declares; they are converted as stored"], "")
+
+
+# ---- item 8: published files name sources by repo id and relative names, never a local path --
+
+def test_published_files_hold_no_local_path(demo_src, tmp_path, capsys):
+    """The demo built next to its source and evaluated (kl, without --baseline: the source the
+    manifest names is found next to the build); the manifest, the eval report and the rendered
+    card hold neither the temp folder nor $HOME."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from formats.manifest import recorded_source
+    from quantize.hub.card import render_card
+
+    build = demo_src.parent / f"published-{tmp_path.name}"
+    try:
+        assert run(capsys, "nvfp4", "--src", demo_src, "--out", build, "--device", "cpu", "--quiet",
+                   "--no-showcase")[0] == 0
+        manifest = json.loads((build / "spark_quant_manifest.json").read_text())
+        assert manifest["source"]["path"] == demo_src.name
+        assert recorded_source(build, manifest) == demo_src.resolve()
+        assert recorded_source(tmp_path / "elsewhere", manifest) is None  # not next to it, nor in cwd
+        rc, stdout, err = run(capsys, "eval", build, "--suite", "kl", "--kl-tokens", "64", "--device", "cpu")
+        assert stdout.splitlines()[0] == (f"baseline: {demo_src.resolve()} (the source recorded in "
+                                          f"{build / 'spark_quant_manifest.json'})")
+        report = json.loads((build / "eval" / "report.json").read_text())
+        assert (report["baseline"]["path"], report["build"]["path"]) == (demo_src.name, build.name)
+        assert report["scope"]["baseline"] == demo_src.name
+        card = render_card(build, "me/demo-nvfp4").content
+        published = {"spark_quant_manifest.json": (build / "spark_quant_manifest.json").read_text(),
+                     "eval/report.json": (build / "eval" / "report.json").read_text(),
+                     "eval/report.md": (build / "eval" / "report.md").read_text(), "README.md card": card}
+        local = {str(tmp_path), str(Path(tempfile.gettempdir()).resolve()), os.environ.get("HOME") or "/root",
+                 str(demo_src.parent), str(Path.cwd())}
+        assert {(name, p) for name, text in published.items() for p in local if p in text} == set()
+    finally:
+        shutil.rmtree(build, ignore_errors=True)

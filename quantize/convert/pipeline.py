@@ -43,6 +43,7 @@ from formats.manifest import (
     Ledger,
     fingerprint,
     remove_ledgers,
+    source_path,
     write_manifest,
 )
 from formats.shards import (
@@ -906,7 +907,7 @@ def _finish(plan: _Plan, out: Path, opts: ConvertOptions, result: _RankResult, t
     bytes_out = index["metadata"]["total_size"]
     write_manifest(out, {
         "tool": "spark-quant", "version": __version__,
-        "source": {"path": str(source.folder.resolve()), "layout": source.kind.value,
+        "source": {"path": source_path(source.folder), "layout": source.kind.value,
                    "shards": {s: fingerprint({n: h for n, h in plan.headers.items() if h[0] == s})
                               for s in source.shards}, **(opts.source_info or {})},
         "options": plan.options,
