@@ -21,10 +21,9 @@ source is named by its Hub repo id and commit (when it came from the Hub) and by
 again next to the build, in the working directory or in the Hugging Face cache.
 """
 
-import os
-
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from formats.checkpoint import write_json_atomic

@@ -46,7 +46,13 @@ from quantize.inspect.check import mixed_support_findings
 from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
 from quantize.plan.activations import kv_scale_dtype
 from quantize.plan.recipe import Recipe
-from quantize.plan.tensors import Decision, arch_assumption, module_of, plan_tensors, predict_outputs
+from quantize.plan.tensors import (
+    Decision,
+    arch_assumption,
+    module_of,
+    plan_tensors,
+    predict_outputs,
+)
 
 __all__ = ["ABSURD_AMAX", "MIN_AMAX", "Preflight", "preflight", "scan_scales", "check_output"]
 

@@ -31,7 +31,13 @@ import torch
 
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME
-from formats.manifest import MANIFEST_NAME, fingerprint, has_ledger, is_ledger_name, recorded_source
+from formats.manifest import (
+    MANIFEST_NAME,
+    fingerprint,
+    has_ledger,
+    is_ledger_name,
+    recorded_source,
+)
 from formats.shards import (
     ShardReader,
     TensorInfo,
