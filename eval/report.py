@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 from eval.gate import degenerate_text
+from quantize.base.redact import unlocal_obj
 
 __all__ = ["write_report", "render_markdown", "gate_lines", "gate_reason", "card_results",
            "scope_text", "SMALL_SAMPLE"]
@@ -210,7 +211,11 @@ def render_markdown(r: dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    """Write ``report.json`` (sorted keys, 1-space indent) and ``report.md`` into ``out``."""
+    """Write ``report.json`` (sorted keys, 1-space indent) and ``report.md`` into ``out``.
+    Both are published with the build (``quantize upload``): every absolute local path in them
+    (build, baseline, data files, thresholds, messages) is written as its last component
+    (``quantize.base.redact.unlocal``)."""
     out = Path(out)
+    report = unlocal_obj(report)
     _atomic_write(out / "report.json", json.dumps(report, indent=1, sort_keys=True, default=float) + "\n")
     _atomic_write(out / "report.md", render_markdown(report))

@@ -14,20 +14,26 @@
   ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the number of
   ranks then.
 
-Every string in the manifest passes through ``quantize.base.redact`` (no tokens in manifests).
+Every string in the manifest passes through ``quantize.base.redact`` (no tokens in manifests,
+and no absolute local paths: ``unlocal``, since the manifest is published with the build). The
+source is named by its Hub repo id and commit (when it came from the Hub) and by
+``source.path``, the source folder's name (``source_path``); :func:`recorded_source` finds it
+again next to the build, in the working directory or in the Hugging Face cache.
 """
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from formats.checkpoint import write_json_atomic
 from formats.shards import is_temp_name, sha256_file
 from quantize.base.errors import OutputError
-from quantize.base.redact import redact_obj
+from quantize.base.redact import redact_obj, unlocal_obj
 
 __all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "has_ledger",
-           "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint"]
+           "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint", "source_path",
+           "recorded_source"]
 
 MANIFEST_NAME = "spark_quant_manifest.json"
 PROGRESS_NAME = ".spark-quant-progress.json"
@@ -160,6 +166,47 @@ def write_manifest(out: Path, info: dict, digests: dict[str, str] | None = None)
         rel = str(p.relative_to(out))
         if p.is_file() and rel != MANIFEST_NAME and not is_ledger_name(rel) and not is_temp_name(p.name):
             files[rel] = {"sha256": digests.get(rel) or sha256_file(p), "bytes": p.stat().st_size}
-    manifest = redact_obj(dict(info, files=files))
+    manifest = unlocal_obj(redact_obj(dict(info, files=files)))
     write_json_atomic(manifest, out / MANIFEST_NAME)
     return manifest
+
+
+def source_path(source: Path) -> str:
+    """The manifest's ``source.path``: the source folder's name. Never an absolute path (the
+    manifest is published; a Hub source is also named by ``repo`` and ``commit``), and never
+    one that depends on where the build is written (builds stay byte-identical)."""
+    return Path(source).resolve().name
+
+
+def _hub_snapshot(repo: str, commit: str) -> Path:
+    """Where huggingface_hub keeps a snapshot of model ``repo`` at ``commit``:
+    ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``, then
+    ``models--ORG--NAME/snapshots/COMMIT``."""
+    hub = os.environ.get("HF_HUB_CACHE") or (
+        Path(os.environ["HF_HOME"]) / "hub" if os.environ.get("HF_HOME")
+        else Path.home() / ".cache" / "huggingface" / "hub")
+    return Path(hub) / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+
+
+def recorded_source(build: Path, manifest: dict, roots: tuple[Path, ...] = ()) -> Path | None:
+    """The source folder the manifest of ``build`` records, found on this machine: an absolute
+    ``source.path`` (as older builds recorded it) as it is; else the folder of that name next to
+    the build, in the working directory or under one of ``roots``; else, for a Hub source
+    (``repo`` and ``commit``), its snapshot in the Hugging Face cache. A candidate counts when
+    it holds ``config.json`` and every source shard the manifest lists. Returns the resolved
+    folder, or None."""
+    src = (manifest.get("source") or {}) if isinstance(manifest, dict) else {}
+    path, shards = src.get("path"), src.get("shards") or {}
+    candidates = []
+    if isinstance(path, str) and path and path not in (".", ".."):
+        if Path(path).is_absolute():
+            candidates.append(Path(path))
+        else:
+            candidates += [Path(build).resolve().parent / path, Path.cwd() / path,
+                           *(Path(r) / path for r in roots)]
+    if isinstance(src.get("repo"), str) and isinstance(src.get("commit"), str):
+        candidates.append(_hub_snapshot(src["repo"], src["commit"]))
+    for c in candidates:
+        if (c / "config.json").is_file() and all((c / s).is_file() for s in shards):
+            return c.resolve()
+    return None

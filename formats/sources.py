@@ -529,12 +529,23 @@ def _layout_from_config(qc: dict | None) -> tuple[SourceKind, _Fp8Layout | None]
 def _open_descriptor(path: Path) -> Source:
     """A header-only descriptor file as a Source without data (every tensor's shard is the
     descriptor's file name)."""
+    shape = '{"config": {...}, "tensors": {name: {"dtype", "shape"}}}'
     try:
         data = json.loads(path.read_text())
-        config, tensors = data["config"], data["tensors"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise SourceError(f"{path.name} is not a descriptor "
-                          f'{{"config": {{...}}, "tensors": {{...}}}}: {e}', key=path.name) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise SourceError(f"{path.name} is not valid JSON ({e}); a header-only descriptor is "
+                          f"{shape}", key=path.name) from None
+    if isinstance(data, dict) and "tensors" not in data and (
+            path.name == "config.json" or "model_type" in data or "architectures" in data):
+        raise SourceError(f"{path} is a model's config.json, not a header-only descriptor {shape}: "
+                          f"give the folder that holds it and its shards ({path.parent})",
+                          key=path.name)
+    missing = ([k for k in ("config", "tensors") if not isinstance(data.get(k), dict)]
+               if isinstance(data, dict) else ["config", "tensors"])
+    if missing:
+        raise SourceError(f"{path.name} is not a header-only descriptor {shape}: it has no "
+                          f"{' and no '.join(repr(k) for k in missing)} object", key=path.name)
+    config, tensors = data["config"], data["tensors"]
     infos = {}
     for name, spec in tensors.items():
         try:

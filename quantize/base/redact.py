@@ -17,7 +17,7 @@ import os
 import re
 
 __all__ = ["MASK", "TOKEN_ENV_VARS", "register_secret", "redact", "redact_obj",
-           "RedactingStream"]
+           "RedactingStream", "unlocal", "unlocal_obj"]
 
 MASK = "***"
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
@@ -60,6 +60,34 @@ def redact_obj(obj):
         return {redact_obj(k): redact_obj(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [redact_obj(v) for v in obj]
+    return obj
+
+
+# An absolute POSIX path: a "/" that no word, dot, colon, slash or dash precedes (so never a
+# URL, a repo id ``org/name``, a relative ``../x`` or a ratio ``K/TP``), then its components.
+_ABS_PATH = re.compile(r"(?<![\w.:/~-])(?:/[^\s/'\"`()\[\]{},;|<>]+)+/?")
+
+
+def unlocal(text: str) -> str:
+    """``text`` with every absolute local path replaced by its last component (``/home/u/x/y``
+    -> ``y``; ``/`` alone stays). For files that are published (manifest, model card, eval
+    report, ``plan.json``), which name sources by repo id and folder name, never by where
+    they lie on one machine (the console keeps full paths)."""
+    def name(m: re.Match) -> str:
+        parts = [p for p in m[0].split("/") if p]
+        return parts[-1] if parts else m[0]
+
+    return _ABS_PATH.sub(name, text)
+
+
+def unlocal_obj(obj):
+    """A copy of a JSON-like object with :func:`unlocal` applied to every string, keys included."""
+    if isinstance(obj, str):
+        return unlocal(obj)
+    if isinstance(obj, dict):
+        return {unlocal_obj(k): unlocal_obj(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [unlocal_obj(v) for v in obj]
     return obj
 
 

@@ -51,6 +51,7 @@ from formats.manifest import (
     Ledger,
     fingerprint,
     remove_ledgers,
+    source_path,
     write_manifest,
 )
 from formats.shards import (
@@ -273,6 +274,9 @@ class ConvertOptions:
         workers: processes on this machine (``quantize.convert.parallel``); under torchrun (an
             initialized torch.distributed group) the ranks divide the shards instead. Several
             processes need a local source folder.
+        allow_unknown_arch: convert a ``model_type`` the architecture map does not know,
+            planned from tensor names alone (pre-flight refuses it otherwise; the assumption is
+            a note of the summary and the manifest).
     """
 
     scheme: str = "w4a16"
@@ -290,6 +294,7 @@ class ConvertOptions:
     min_expert_tokens: int | None = None
     kernel: str = "auto"
     workers: int = 1
+    allow_unknown_arch: bool = False
 
 
 @dataclass
@@ -760,7 +765,8 @@ def _preflight(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType) ->
         calib, calib_err = None, e
     kv = tuple(calib.stats.kv_amax) if calib and calib.stats and opts.kv_cache else ()
     pre = preflight(src, out, recipe=rec, resume=opts.resume, fmt=opts.fmt, tp=opts.tp,
-                    engine=opts.engine, carry_skip=_CARRY_SKIP, scheme=opts.scheme, kv_attention=kv)
+                    engine=opts.engine, carry_skip=_CARRY_SKIP, scheme=opts.scheme, kv_attention=kv,
+                    allow_unknown_arch=opts.allow_unknown_arch)
     pre.raise_if_errors(Path(src).name if not isinstance(src, Source) else src.folder.name)
     if calib_err is not None:
         raise calib_err
@@ -916,7 +922,7 @@ def _finish(plan: _Plan, out: Path, opts: ConvertOptions, result: _RankResult, t
     bytes_out = index["metadata"]["total_size"]
     write_manifest(out, {
         "tool": "spark-quant", "version": __version__,
-        "source": {"path": str(source.folder.resolve()), "layout": source.kind.value,
+        "source": {"path": source_path(source.folder), "layout": source.kind.value,
                    "shards": {s: fingerprint({n: h for n, h in plan.headers.items() if h[0] == s})
                               for s in source.shards}, **(opts.source_info or {})},
         "options": plan.options,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from quantize.base.errors import DataError
 
-__all__ = ["DEMO_GGUF_SHA256", "DEMO_GGUF_SHA256_PREFIX", "build_demo", "demo_gguf_path", "fp8_source_from_gguf"]
+__all__ = ["DEMO_GGUF_SHA256", "DEMO_GGUF_SHA256_PREFIX", "build_demo", "demo_cache_dir", "demo_gguf_path",
+           "fp8_source_from_gguf"]
 
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -166,6 +167,11 @@ def fp8_source_from_gguf(gguf: Path, out: Path, n_shards: int = 4) -> Path:
     return out
 
 
+def demo_cache_dir() -> Path:
+    """The parent folder of the demo source: ``$SPARK_QUANT_CACHE`` or ``~/.cache/spark-quant``."""
+    return Path(os.environ.get("SPARK_QUANT_CACHE") or Path.home() / ".cache" / "spark-quant")
+
+
 def build_demo(cache_dir: Path | None = None, n_shards: int = 3, force: bool = False) -> Path:
     """Build (once) a block-FP8 SmolLM2-135M-Instruct checkpoint folder and return its path.
 
@@ -197,7 +203,7 @@ def build_demo(cache_dir: Path | None = None, n_shards: int = 3, force: bool = F
     if n_shards < 2:
         raise ValueError(f"n_shards must be >= 2 to split an FP8 pair across shards, got {n_shards}")
     if cache_dir is None:
-        cache_dir = Path(os.environ.get("SPARK_QUANT_CACHE") or Path.home() / ".cache" / "spark-quant")
+        cache_dir = demo_cache_dir()
     target = Path(cache_dir) / DEMO_DIRNAME
     if not force and _is_complete(target, n_shards):
         return target

@@ -17,7 +17,7 @@ import yaml
 from eval.report import scope_text
 from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
 from quantize.base.errors import CardError, OutputError
-from quantize.base.redact import redact
+from quantize.base.redact import redact, unlocal
 
 __all__ = ["CARDS", "TEMPLATE", "REPORT", "PLAN", "load_build", "read_gate", "render_card",
            "validate_card"]
@@ -190,7 +190,7 @@ def render_card(build: Path, repo_id: str, *, base_model: str | None = None,
         source_files=bool(source_files),
         license=lic, license_given=bool(license))
     card.content = re.sub(r"\n{3,}", "\n\n", card.content)  # blank runs left by template tags
-    card.content = redact(card.content)  # no token reaches a published card
+    card.content = unlocal(redact(card.content))  # no token nor local path reaches a published card
     return card
 
 

@@ -46,7 +46,13 @@ from quantize.inspect.check import mixed_support_findings
 from quantize.kernels.dtypes import E4M3_MAX, NVFP4_GLOBAL_NUMERATOR
 from quantize.plan.activations import kv_scale_dtype
 from quantize.plan.recipe import Recipe
-from quantize.plan.tensors import Decision, module_of, plan_tensors, predict_outputs
+from quantize.plan.tensors import (
+    Decision,
+    arch_assumption,
+    module_of,
+    plan_tensors,
+    predict_outputs,
+)
 
 __all__ = ["ABSURD_AMAX", "MIN_AMAX", "Preflight", "preflight", "scan_scales", "check_output"]
 
@@ -166,31 +172,17 @@ def _scale_findings(info, s: torch.Tensor, weight: str) -> list[Finding]:
                     shard=info.shard) for level, msg in found]
 
 
-# Config keys read as counts or sizes (archs, fit, the fixtures): a non-negative integer when
-# present; the ``*_lora_rank`` keys may also be null (no low-rank projection).
-_INT_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size",
-             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-             "max_position_embeddings", "n_routed_experts", "num_experts", "n_shared_experts",
-             "num_experts_per_tok", "num_nextn_predict_layers", "kv_lora_rank", "q_lora_rank",
-             "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "index_n_heads",
-             "index_topk")
-
-
-def _config_findings(config: dict, modules: set[str]) -> list[Finding]:
-    """Config values of the wrong type (each names its key), and a ``model_type`` the
-    architecture map does not know for modules whose treatment depends on it (the DSA
-    indexer ``weights_proj``, high precision only for ``archs.DSA_MODEL_TYPES``)."""
+def _config_findings(config: dict, modules: set[str], allow_unknown_arch: bool = False) -> list[Finding]:
+    """Config values of the wrong type (each names its key), a ``model_type`` the
+    architecture map does not know (``archs.unknown_model_type``; an error unless
+    ``allow_unknown_arch``), and one it does not know for modules whose treatment depends on it
+    (the DSA indexer ``weights_proj``, high precision only for ``archs.DSA_MODEL_TYPES``; an
+    error whatever the flag)."""
     out = []
-    for where, cfg in (("", config), ("text_config.", archs.text_config(config))):
-        if where and cfg is config:
-            continue
-        for key in _INT_KEYS:
-            v = cfg.get(key)
-            if key not in cfg or (v is None and key.endswith("_lora_rank")):
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                out.append(Finding("error", "config", f"config.json {where}{key} is {v!r}: it must "
-                                   "be a non-negative integer", key=where + key))
+    if (unknown := archs.unknown_model_type(config)) is not None and not allow_unknown_arch:
+        out.append(Finding("error", "config", archs.unknown_arch_message(unknown), key="model_type"))
+    for key, message in archs.config_type_errors(config):
+        out.append(Finding("error", "config", message, key=key))
     mt = config.get("model_type")
     dsa = sorted(m for m in modules if m.endswith(".indexer.weights_proj"))
     if dsa and mt not in archs.DSA_MODEL_TYPES and archs.text_config(config).get("model_type") \
@@ -296,7 +288,8 @@ def _format_support(decisions, fmt: str, scheme: str, engine: str) -> list[Findi
 def preflight(src: str | Path | Source, out: str | Path | None = None, *,
               recipe: Recipe | None = None, resume: bool = False, fmt: str = "compressed-tensors",
               tp: int = 1, engine: str = "vllm", carry_skip: frozenset[str] = frozenset(),
-              scheme: str = "w4a16", kv_attention: tuple[str, ...] = ()) -> Preflight:
+              scheme: str = "w4a16", kv_attention: tuple[str, ...] = (),
+              allow_unknown_arch: bool = False) -> Preflight:
     """Run every pre-flight check on ``src`` (and ``out`` when given); raises nothing.
 
     Args:
@@ -311,6 +304,9 @@ def preflight(src: str | Path | Source, out: str | Path | None = None, *,
             input scales, FP8 KV scales of these attention blocks (in the model's dtype,
             ``quantize.plan.activations.kv_scale_dtype``); ``predicted`` is then exactly what
             the converter writes.
+        allow_unknown_arch: a ``model_type`` the architecture map does not know is planned from
+            tensor names alone (else an error); the plan's assumption is an ``info`` finding
+            (``quantize.plan.tensors.arch_assumption``).
 
     Returns:
         :class:`Preflight` with every finding; call ``raise_if_errors`` to stop on errors.
@@ -323,14 +319,18 @@ def preflight(src: str | Path | Source, out: str | Path | None = None, *,
     pre = Preflight(source, findings)
     if source is not None:
         findings += _config_findings(source.config, {m for n in source.tensors
-                                                     if (m := module_of(n)) is not None})
+                                                     if (m := module_of(n)) is not None},
+                                     allow_unknown_arch)
         findings += scan_scales(source)
         findings += _layout_findings(source)
         if folder.is_dir():
             copied, refused = carry_plan(folder, set(carry_skip))
             findings += _custom_code_findings(folder, source.config, copied, refused)
         if recipe is not None and not any(f.level == "error" for f in findings):
-            pre.decisions = plan_tensors(source, recipe, tp=tp, engine=engine)
+            pre.decisions = plan_tensors(source, recipe, tp=tp, engine=engine,
+                                         allow_unknown_arch=allow_unknown_arch)
+            if (assumed := arch_assumption(source.config, pre.decisions)) is not None:
+                findings.append(Finding("info", "config", assumed, key="model_type"))
             kv_dtype = dtype_name(kv_scale_dtype(source.config))
             pre.predicted = predict_outputs(source, pre.decisions, fmt, scheme=scheme,
                                             kv_scales={a: kv_dtype for a in kv_attention})

@@ -31,7 +31,13 @@ import torch
 
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME
-from formats.manifest import MANIFEST_NAME, fingerprint, has_ledger, is_ledger_name
+from formats.manifest import (
+    MANIFEST_NAME,
+    fingerprint,
+    has_ledger,
+    is_ledger_name,
+    recorded_source,
+)
 from formats.shards import (
     ShardReader,
     TensorInfo,
@@ -327,8 +333,12 @@ def verify(build: str | Path, src: str | Path | None = None, rows: int = 4) -> V
         return rep
     _check_layout(writer, manifest, infos, rep)
     rep.findings += _engine_checks(build, manifest)
-    src = Path(src) if src else Path(manifest.get("source", {}).get("path", ""))
-    source = _open_matching_source(src, manifest, rep) if str(src) not in ("", ".") else None
+    src = Path(src) if src else recorded_source(build, manifest)
+    if src is None and (manifest.get("source") or {}).get("path"):
+        rep.add("info", "source", f"source {manifest['source']['path']} (the manifest's) is not "
+                f"next to {build}, in the working directory or the Hugging Face cache: samples "
+                "checked for finite values only (--src SRC compares them with it)")
+    source = _open_matching_source(src, manifest, rep) if src is not None else None
     try:
         _sample(build, writer, manifest, infos, source, rows, rep)
     finally:

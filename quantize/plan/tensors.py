@@ -28,6 +28,7 @@ import torch
 
 from formats import get_writer
 from formats.engines import (
+    ENGINES,
     MOE_ONE_SCHEME,
     align_violations,
     mixed_moe_schemes,
@@ -35,10 +36,10 @@ from formats.engines import (
 )
 from formats.sources import LogicalTensor, Source
 from quantize import archs
-from quantize.base.errors import RecipeError
+from quantize.base.errors import RecipeError, SourceError
 from quantize.plan.recipe import Recipe, Target
 
-__all__ = ["Decision", "plan_tensors", "module_of", "dropped_tensors", "predict_outputs", "unplaced",
+__all__ = ["Decision", "plan_tensors", "arch_assumption", "module_of", "dropped_tensors", "predict_outputs", "unplaced",
            "unplaced_note", "UNPLACED",
            "predicted_bytes", "fp8_passthrough", "explain", "kv_scale_anchor"]
 
@@ -101,17 +102,25 @@ def tied_embeddings(config: dict) -> bool:
     return bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
 
 
-def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "vllm") -> dict[str, Decision]:
+def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "vllm",
+                 allow_unknown_arch: bool = False) -> dict[str, Decision]:
     """Decide every logical tensor of ``source``.
 
     Args:
         tp: tensor-parallel size the build will be served with (per-shard alignment).
         engine: whose alignment rules apply (``formats.engines.ENGINES``).
+        allow_unknown_arch: plan a ``model_type`` the architecture map does not know
+            (``archs.unknown_model_type``) from tensor names alone (``archs.NAME_ONLY_RULES``;
+            :func:`arch_assumption` states the result).
 
     Returns:
         logical tensor name -> Decision, for every tensor the source has.
 
     Raises:
+        SourceError: a config count or size of the wrong type (``archs.config_type_errors``,
+            ``key`` names it), or the config's ``model_type`` is not in ``archs.KNOWN_MODEL_TYPES`` and
+            ``allow_unknown_arch`` is false (``key`` ``model_type``; the message names the known
+            ones and the flag).
         RecipeError: the recipe splits a fused group (names the group and each member's
             target), or the routed experts of one MoE layer would mix schemes at this TP
             (names the layer, one expert weight, its target and why), or the plan quantizes
@@ -119,6 +128,10 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
             error rows; names the count per role, the first tensor and the engine source).
     """
     config = source.config
+    if bad := archs.config_type_errors(config):
+        raise SourceError(bad[0][1], key=bad[0][0])
+    if (mt := archs.unknown_model_type(config)) is not None and not allow_unknown_arch:
+        raise SourceError(archs.unknown_arch_message(mt), key="model_type")
     names = set(source.tensors)
     modules = {m for n in names if (m := module_of(n)) is not None}
     out: dict[str, Decision] = {}
@@ -160,9 +173,40 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
             out[d.name] = Decision(d.name, _kept(source.tensors[d.name]),
                                    f"fused group {d.group}: {odd[0]} is not {d.target.value} ({why})",
                                    d.group, d.members, d.roles)
-    _refuse_mixed_moe(out, source, recipe, tp)
+    _refuse_mixed_moe(out, source, recipe, tp, engine, wanted)
     _refuse_model_rules(out, config, recipe, engine)
     return out
+
+
+def arch_assumption(config: dict, decisions: dict[str, Decision]) -> str | None:
+    """The one line stating what a plan of an unknown ``model_type`` assumed
+    (``archs.unknown_model_type``; None for a known one): the name-only rules, then the Linear
+    weights kept high precision per sensitive role and those quantized per target and role,
+    counted from ``decisions``."""
+    mt = archs.unknown_model_type(config)
+    if mt is None:
+        return None
+    kept: dict[str, int] = {}
+    quant: dict[str, dict[str, int]] = {}
+    other = 0
+    for d in decisions.values():
+        if d.reason.startswith("sensitive: "):
+            role = d.reason[len("sensitive: "):]
+            kept[role] = kept.get(role, 0) + 1
+        elif d.target.quantized:
+            role = "/".join(sorted(d.roles)) or "no role"
+            per = quant.setdefault(d.target.value, {})
+            per[role] = per.get(role, 0) + 1
+        elif not d.reason.startswith("not a Linear weight"):
+            other += 1
+
+    def counts(c: dict[str, int]) -> str:
+        return ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"
+
+    q = "; ".join(f"{t}: {counts(c)}" for t, c in sorted(quant.items())) or "none"
+    return (f"model_type {mt} is not in the architecture map; planned from tensor names alone "
+            f"(--allow-unknown-arch): {archs.NAME_ONLY_RULES}. High precision: {counts(kept)}; "
+            f"quantized: {q}; other Linear weights left unquantized by the recipe or alignment: {other}")
 
 
 def unplaced(decisions: dict[str, Decision]) -> list[str]:
@@ -182,9 +226,12 @@ def unplaced_note(decisions: dict[str, Decision]) -> str | None:
             f"ignore: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
 
 
-def _refuse_mixed_moe(out: dict[str, Decision], source: Source, recipe: Recipe, tp: int) -> None:
+def _refuse_mixed_moe(out: dict[str, Decision], source: Source, recipe: Recipe, tp: int,
+                      engine: str, wanted: dict[str, Target]) -> None:
     """The final ``quantize check`` rule on routed experts (``formats.engines.mixed_moe_schemes``)
-    applied to the plan, so a plan that would fail it is refused before any shard is written."""
+    applied to the plan, so a plan that would fail it is refused before any shard is written.
+    The advice is what can help: another ``--tp`` only when the expert loads unsplit (TP=1);
+    else the engines whose alignment rows it meets at this TP, or a recipe change."""
     kinds = {m: _kind(d.target) for n, d in out.items()
              if (m := module_of(n)) is not None and len(source.tensors[n].shape) == 2}
     mixed = mixed_moe_schemes(kinds)
@@ -196,11 +243,23 @@ def _refuse_mixed_moe(out: dict[str, Decision], source: Source, recipe: Recipe, 
     d = next(d for n, d in sorted(out.items())
              if n.startswith(prefix + ".") and kinds.get(module_of(n)) == minority)
     more = f" (and {len(mixed) - 1} more MoE layer(s))" if len(mixed) > 1 else ""
+    advice = ("choose a --tp that every expert projection splits over, or a recipe that gives "
+              "these experts one target")
+    asked = wanted.get(d.name)
+    if asked is not None and asked.quantized and not d.target.quantized:
+        shape, split = source.tensors[d.name].shape, archs.tp_split(module_of(d.name))
+        unsplit = align_violations(engine, asked.value, shape, split, 1, True)
+        if unsplit:
+            ok = [e for e in ENGINES if e != engine
+                  and not align_violations(e, asked.value, shape, split, tp, True)]
+            advice = (f"no --tp helps ({unsplit[0].split(' (')[0]} even at TP=1): "
+                      + (f"serve it with --engine {' or '.join(ok)}, or " if ok else "")
+                      + f"use a recipe that gives these experts one target {engine} loads at this "
+                      f"shape (bf16 keeps them all unquantized)")
     raise RecipeError(
         f"recipe {recipe.name} at TP={tp} mixes {found} in the routed experts of {prefix}{more}: "
         f"{d.name} -> {d.target.value} ({d.reason}); {MOE_ONE_SCHEME}, so this build would fail "
-        "its final check: choose a --tp that every expert projection splits over, or a recipe "
-        "that gives these experts one target", key=prefix)
+        f"its final check: {advice}", key=prefix)
 
 
 def _refuse_model_rules(out: dict[str, Decision], config: dict, recipe: Recipe, engine: str) -> None:
@@ -307,7 +366,7 @@ def predicted_bytes(source: Source, decisions: dict[str, Decision], fmt: str) ->
 
 
 def explain(source: Source, recipe: Recipe, fmt: str = "compressed-tensors", *, tp: int = 1,
-            engine: str = "vllm", summary_only: bool = False) -> str:
+            engine: str = "vllm", summary_only: bool = False, allow_unknown_arch: bool = False) -> str:
     """The table behind ``quantize recipe show``: every tensor's target, reason and predicted
     output bytes, then totals per target and the resulting build size (tensor bytes, the
     ``metadata.total_size`` the build will have).
@@ -315,7 +374,7 @@ def explain(source: Source, recipe: Recipe, fmt: str = "compressed-tensors", *, 
     Raises:
         RecipeError: from :func:`plan_tensors`.
     """
-    decisions = plan_tensors(source, recipe, tp=tp, engine=engine)
+    decisions = plan_tensors(source, recipe, tp=tp, engine=engine, allow_unknown_arch=allow_unknown_arch)
     sizes = predicted_bytes(source, decisions, fmt)
     lines = []
     if not summary_only:
@@ -339,4 +398,6 @@ def explain(source: Source, recipe: Recipe, fmt: str = "compressed-tensors", *, 
                      f"{nbytes / 2**30:>10.2f} GiB")
     lines.append(f"  source {bytes_in:,} bytes ({bytes_in / 2**30:.2f} GiB) -> build {total:,} bytes "
                  f"({total / 2**30:.2f} GiB, {total / 1e9:.1f} GB)")
+    if (assumed := arch_assumption(source.config, decisions)) is not None:
+        lines.append(f"note: {assumed}")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, de
     # --limit 5: the checks passed, but this is no release gate (quantize upload refuses it)
     assert r["gate"]["release"] is False and r["scope"]["release"] is False
     assert r["scope"]["not_release"] == ["--limit 5: only the first 5 problems of each set were scored"]
-    assert r["scope"]["limit"] == 5 and r["scope"]["baseline"] == str(demo_src)
+    assert r["scope"]["limit"] == 5 and r["scope"]["baseline"] == demo_src.name  # published: no local path
     assert r["scope"]["suites_done"] == ["kl", "gsm8k", "mc", "passkey"]
     assert r["scope"]["n"] == {"kl": {"n": 511, "unit": "tokens"}, "gsm8k": {"n": 5, "unit": "problems"},
                                "mc": {"n": 5, "unit": "problems"}, "passkey": {"n": 4, "unit": "prompts"}}

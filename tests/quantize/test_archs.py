@@ -42,12 +42,13 @@ def test_consistent_checkpoint_has_no_findings():
 def test_missing_layer_and_extra_layer():
     s = {k: v for k, v in deepseek_shapes().items() if not k.startswith("model.layers.2.")}
     assert errors(check_layout(CONFIG, s)) == [
-        "config.json declares num_hidden_layers=3 + num_nextn_predict_layers=1 but the "
-        "checkpoint has no tensors for layer(s) 2"]
+        "config.json declares 3 decoder layer(s) (0-2, num_hidden_layers=3) and 1 MTP layer(s) "
+        "(3, num_nextn_predict_layers=1) but the checkpoint has no tensors for decoder layer(s) 2"]
     extra = dict(deepseek_shapes(), **{"model.layers.7.mlp.gate_proj.weight": (96, 64)})
     assert check_layout(CONFIG, extra) == [
-        ("warning", "checkpoint has layer(s) 7 beyond the 4 layers config.json declares; they "
-                    "are converted as stored", None)]
+        ("warning", "checkpoint has layer(s) 7 beyond the 3 decoder layer(s) (0-2, "
+                    "num_hidden_layers=3) and 1 MTP layer(s) (3, num_nextn_predict_layers=1) "
+                    "config.json declares; they are converted as stored", None)]
 
 
 def test_mtp_layer_missing_parts_named():

@@ -92,7 +92,7 @@ def test_upload_publishes_build_then_card(build, tmp_path):
     assert "| `model.layers.*.mlp.gate_proj` | NVFP4 (e2m1, e4m3 block scale / 16, f32 global scale) | 3 |" in card
     assert "| `model.embed_tokens` | kept as in the source | 1 |" in card
     assert ("Eval gate: **passed**. Scope: suites kl, gsm8k, passkey (KL 2047 tokens, GSM8K 1319 "
-            "problems, passkey 75 prompts); every problem of each set; baseline `/models/tiny-fp8`.") in card
+            "problems, passkey 75 prompts); every problem of each set; baseline `tiny-fp8`.") in card  # no local path
     assert "| kl | mean_kl | 0.01235 | 2047 tokens |" in card
     assert "| gsm8k | exact_match,strict-match | 0.42 | 1319 problems |" in card
 
@@ -221,7 +221,7 @@ def test_partial_or_unfinished_gate_is_not_a_release(build, tmp_path, capsys):
     assert ("Eval gate: **passed on a partial run, not a release gate (--limit 3: only the first 3 problems "
             "of each set were scored; suite(s) kl, passkey not run (a release gate runs kl, gsm8k, passkey))**. "
             "Scope: suites gsm8k (GSM8K 3 problems); first 3 problems only (--limit); baseline "
-            "`/models/tiny-fp8`.") in card
+            "`tiny-fp8`.") in card  # a published card names no local path
     assert "| gsm8k | exact_match,strict-match | 0.0 | 3 problems |" in card
     assert validate_card(card)["model-index"][0]["results"][0]["dataset"]["split"] == "test[:3]"
     cut = tmp_path / "cut"
