@@ -6,9 +6,10 @@ finding at once; every tensor decided by ``quantize.plan.tensors``, recipe, TP /
 output folder and its free disk) -> per source shard, read lazily, refuse NaN / Inf / absurd
 amax, quantize (NVFP4 in the output format's arithmetic order, block FP8 passed through,
 MXFP8), check the shard against the planned layout, write it atomically -> index, carried
-files, config (+ hf_quant_config.json for ModelOpt) -> ``quantize check`` (from the scale
-statistics each shard's writer counted) -> manifest (only when the check has no error). Calibration statistics (``quantize calibrate``) add W4A4 input
-scales and FP8 KV scales, and weight the block-scale search (``--scales``).
+files, config (+ hf_quant_config.json for ModelOpt) -> ``quantize check`` (its scale rule from
+the counts each shard's writer made) -> manifest (only when the check has no error).
+Calibration statistics (``quantize calibrate``) add W4A4 input scales and FP8 KV scales, and
+weight the block-scale search (``--scales``).
 Reading, quantizing and writing overlap (``quantize.convert.overlap``: a reader thread, this thread, a
 writer thread), NVFP4 goes through the fused kernels of ``quantize.kernels.fused`` (the
 block-scale search through the reference arithmetic), and shards can be divided among

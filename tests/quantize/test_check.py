@@ -545,3 +545,14 @@ def test_stats_file_layout_and_verify(clean):
     assert CHECK_STATS_NAME not in manifest["files"]
     rep = verify(build)
     assert rep.ok, rep.render()
+
+
+def test_scale_faults_counts_what_the_scale_rule_flags():
+    from quantize.inspect.check import scale_faults
+
+    b = torch.tensor([[0x01, 0x7E, 0x7F], [0xFF, 0x80, 0x38]], dtype=torch.uint8)
+    assert scale_faults(b.view(torch.float8_e4m3fn)) == 2  # 0x7F, 0xFF; -0 (0x80) is not NaN
+    assert scale_faults(torch.tensor([[1, 2], [3, 0x7E]], dtype=torch.uint8).view(torch.float8_e4m3fn)) == 0
+    f = torch.tensor([float("nan"), float("inf"), -1.0, 0.0, 1e-3, 448.0])
+    assert scale_faults(f) == 4 and scale_faults(f.bfloat16()) == 4
+    assert scale_faults(torch.tensor([0, 255], dtype=torch.uint8)) == 0  # e8m0: not judged here
