@@ -13,6 +13,25 @@
   build completes. When several ranks convert (quantize/convert/parallel.py), each keeps
   ``.spark-quant-progress.rank<r>.json``; a resume reads them all, whatever the number of
   ranks then.
+- ``.spark-quant-stats.json`` (:data:`CHECK_STATS_NAME`) holds what ``quantize check``'s scale
+  rule would find in each output shard, counted by the converter from the tensors it wrote,
+  so ``quantize check`` on a fresh build reads headers and a few scalars instead of every
+  block scale (``quantize.inspect.check``). Layout (:func:`write_check_stats`)::
+
+      {"version": 1,
+       "shards": {"model-00001-of-00003.safetensors": {
+           "file": [size, mtime_ns, ctime_ns, inode],  # os.stat right after the shard's rename
+           "sha256": "<hex>",                          # of the shard as written
+           "scales": 42,                               # scale tensors counted (all of the shard's)
+           "faults": {"<tensor>": 3}}}}                # only tensors with values the rule flags
+
+  It describes the files of this folder as they were written, not the build's content, so it
+  is local: not listed in the manifest, not uploaded (a dot file), never compared between
+  builds. A shard whose size, mtime, ctime or inode differs from ``file`` changed after the
+  build, and ``quantize check`` reads its scales again. The file's own mtime is later than
+  every recorded ctime (:func:`write_check_stats` waits for the file-system clock to tick
+  when they fall in one tick), so any later write to a shard gives it a new ctime, however
+  coarse the clock (git's "racily clean" index entries are the same problem).
 
 Every string in the manifest passes through ``quantize.base.redact`` (no tokens in manifests,
 and no absolute local paths: ``unlocal``, since the manifest is published with the build). The
@@ -24,6 +43,7 @@ again next to the build, in the working directory or in the Hugging Face cache.
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 from formats.checkpoint import write_json_atomic
@@ -31,13 +51,16 @@ from formats.shards import is_temp_name, sha256_file
 from quantize.base.errors import OutputError
 from quantize.base.redact import redact_obj, unlocal_obj
 
-__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "Ledger", "fingerprint", "has_ledger",
+__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "CHECK_STATS_NAME", "Ledger", "file_identity",
+           "write_check_stats", "load_check_stats", "fingerprint", "has_ledger",
            "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint", "source_path",
            "recorded_source"]
 
 MANIFEST_NAME = "spark_quant_manifest.json"
 PROGRESS_NAME = ".spark-quant-progress.json"
 _PROGRESS_GLOB = ".spark-quant-progress*.json"
+CHECK_STATS_NAME = ".spark-quant-stats.json"
+_CHECK_STATS_VERSION = 1
 
 
 def is_ledger_name(rel: str) -> bool:
@@ -155,7 +178,8 @@ def resume_hint(out: Path) -> str | None:
 
 
 def write_manifest(out: Path, info: dict, digests: dict[str, str] | None = None) -> dict:
-    """Hash every file in ``out`` (except the manifest and ledger) into ``info["files"]`` and
+    """Hash every file in ``out`` (except the manifest, ledgers and the local check
+    statistics) into ``info["files"]`` and
     write the manifest atomically. ``digests`` (file name -> sha256 the ledgers recorded when
     the shards were written or verified on resume) saves hashing those files again. Returns
     the manifest dict."""
@@ -164,7 +188,8 @@ def write_manifest(out: Path, info: dict, digests: dict[str, str] | None = None)
     files = {}
     for p in sorted(out.rglob("*")):
         rel = str(p.relative_to(out))
-        if p.is_file() and rel != MANIFEST_NAME and not is_ledger_name(rel) and not is_temp_name(p.name):
+        if (p.is_file() and rel not in (MANIFEST_NAME, CHECK_STATS_NAME) and not is_ledger_name(rel)
+                and not is_temp_name(p.name)):
             files[rel] = {"sha256": digests.get(rel) or sha256_file(p), "bytes": p.stat().st_size}
     manifest = unlocal_obj(redact_obj(dict(info, files=files)))
     write_json_atomic(manifest, out / MANIFEST_NAME)
@@ -210,3 +235,77 @@ def recorded_source(build: Path, manifest: dict, roots: tuple[Path, ...] = ()) -
         if (c / "config.json").is_file() and all((c / s).is_file() for s in shards):
             return c.resolve()
     return None
+
+
+def file_identity(path: Path) -> list[int]:
+    """``[size, mtime_ns, ctime_ns, inode]`` of a file: what changes when its bytes do (a
+    write in place sets mtime and ctime, a replacement gives a new inode, and ctime cannot be
+    set back the way ``touch -d`` sets mtime back)."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def write_check_stats(out: Path, shards: dict[str, dict], max_wait_s: float = 1.0) -> None:
+    """Write :data:`CHECK_STATS_NAME` (layout in the module docstring) with ``shards``: shard
+    file name -> ``{"file": file_identity, "sha256", "scales", "faults"}``.
+
+    Then, while the file's mtime is not later than every recorded ctime (written in the
+    same tick of a coarse file-system clock), its mtime is set to now again, for at most
+    ``max_wait_s``; a shard still in that tick is then read by ``quantize check`` (see
+    :func:`load_check_stats`).
+
+    Raises:
+        OutputError: the file cannot be written.
+    """
+    path = Path(out) / CHECK_STATS_NAME
+    write_json_atomic({"version": _CHECK_STATS_VERSION, "shards": dict(sorted(shards.items()))}, path)
+    newest = max((r["file"][2] for r in shards.values()), default=0)
+    deadline = time.monotonic() + max_wait_s
+    while os.stat(path).st_mtime_ns <= newest and time.monotonic() < deadline:
+        time.sleep(0.001)
+        os.utime(path)
+
+
+def load_check_stats(out: Path) -> tuple[dict[str, dict] | None, str | None]:
+    """The shard records of :data:`CHECK_STATS_NAME` in ``out`` that still describe their file.
+
+    A record is kept when the shard's :func:`file_identity` equals its ``file`` and its ctime
+    is older than the stats file's mtime (else a write in the same clock tick could hide).
+
+    Returns:
+        ``(records, problem)``: ``records`` is None when the file is absent (``problem``
+        None) or unreadable (``problem`` says why); otherwise shard -> record for the shards
+        unchanged since the build, and ``problem`` lists the recorded shards that changed
+        (None when none did).
+    """
+    path = Path(out) / CHECK_STATS_NAME
+    try:
+        data = json.loads(path.read_text())
+        stamp = os.stat(path).st_mtime_ns
+        if data.get("version") != _CHECK_STATS_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {_CHECK_STATS_VERSION}")
+        shards = data["shards"]
+        for rec in shards.values():
+            if not (isinstance(rec["file"], list) and len(rec["file"]) == 4 and isinstance(rec["scales"], int)
+                    and all(isinstance(v, int) for v in rec["faults"].values())):
+                raise TypeError("malformed shard record")
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, f"{CHECK_STATS_NAME} is unreadable ({e})"
+    kept, changed = {}, []
+    for shard, rec in sorted(shards.items()):
+        try:
+            now = file_identity(Path(out) / shard)
+        except OSError:
+            now = None
+        if now == rec["file"] and rec["file"][2] < stamp:
+            kept[shard] = rec
+        else:
+            changed.append(shard)
+    problem = None
+    if changed:
+        problem = (f"{len(changed)} shard(s) changed or copied since the build ({', '.join(changed[:3])}"
+                   f"{' ...' if len(changed) > 3 else ''}: size, mtime, ctime or inode differ from "
+                   f"{CHECK_STATS_NAME})")
+    return kept, problem

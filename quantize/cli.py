@@ -336,13 +336,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from quantize.inspect.check import check_build, render_check
+    from quantize.inspect.check import ScaleReads, check_build, render_check
 
     build = _folder(args.build)
     engine, tp, said = _check_target(build, args.engine, args.tp)
-    findings = check_build(build, engine=engine, tp=tp)
+    reads = ScaleReads()
+    findings = check_build(build, engine=engine, tp=tp, full=args.full, reads=reads)
     for f in findings:
         print(render_check(f))
+    if reads.problem:
+        print(f"note: scales of {len(reads.read)} shard(s) read from the files: {reads.problem}")
     errors = sum(f.level == "error" for f in findings)
     print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {engine} "
           f"TP={tp}{said}")
@@ -622,6 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the engine the build's manifest records, else vllm")
     c.add_argument("--tp", type=_int_at_least(1),
                    help="default: the TP the build's manifest records, else 1")
+    c.add_argument("--full", action="store_true",
+                   help="read every scale tensor, not the counts the converter recorded as it wrote")
     c.set_defaults(func=_cmd_check)
     u = sub.add_parser("upload", help="publish a finished build to the Hub (eval gate, model card)")
     u.add_argument("build", help="a finished `quantize nvfp4` output folder")

@@ -155,7 +155,7 @@ STAGES = [
     ("read", "reader", ["read"]),
     ("dequant + quantize", "reader", ["dequant + amax"]),
     ("dequant + quantize", "quantizer", ["quantize"]),
-    ("write + sha256", "writer", ["write + sha256"]),
+    ("write + sha256", "writer", ["write + sha256", "scale stats"]),
     ("other", "writer", ["ledger"]),
     ("other", "main", ["pre-flight", "finish (index, config, check, manifest)"]),
 ]

@@ -207,9 +207,13 @@ def sha256(p: Path) -> str:
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file under ``folder``."""
+    """Relative path -> sha256 of every file under ``folder``, but the local check statistics
+    (formats.manifest CHECK_STATS_NAME: identities of this folder's files, never equal between
+    two builds)."""
+    from formats.manifest import CHECK_STATS_NAME
+
     return {p.relative_to(folder).as_posix(): sha256(p) for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and p.relative_to(folder).as_posix() != CHECK_STATS_NAME}
 
 
 def compare(a: Path, b: Path) -> str:

@@ -22,7 +22,7 @@ from conftest import BLOCK_FP8_QC, edit_json, edit_shard, write_checkpoint
 from safetensors.torch import load_file
 
 from formats.checkpoint import INDEX_NAME
-from formats.manifest import MANIFEST_NAME, PROGRESS_NAME
+from formats.manifest import CHECK_STATS_NAME, MANIFEST_NAME, PROGRESS_NAME
 from formats.shards import read_header
 from quantize.cli import main
 from quantize.convert.pipeline import convert
@@ -81,9 +81,10 @@ def stops_then_resumes(capsys, src: Path, out: Path, clean: Path, first: str, do
 
 
 def assert_same_build(a: Path, b: Path) -> None:
-    """Byte-identical folders (the manifest too: it holds no timestamps or output path)."""
-    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
-    for p in sorted(a.iterdir()):
+    """Byte-identical folders (the manifest too: it holds no timestamps or output path), but
+    the local check statistics (identities of each folder's own files)."""
+    assert sorted(set(os.listdir(a)) - {CHECK_STATS_NAME}) == sorted(set(os.listdir(b)) - {CHECK_STATS_NAME})
+    for p in sorted(q for q in a.iterdir() if q.name != CHECK_STATS_NAME):
         assert p.read_bytes() == (b / p.name).read_bytes(), p.name
 
 
@@ -567,7 +568,7 @@ def replace(a, b):
 os.replace = replace
 convert(sys.argv[1], sys.argv[2], progress=False, device="cpu")
 """
-N_REPLACES = 11  # ledger, 3 x (shard + ledger), index, tokenizer_config.json, config, manifest
+N_REPLACES = 12  # ledger, 3 x (shard + ledger), index, tokenizer_config.json, config, check stats, manifest
 KILL_POINTS = sorted(random.Random(9).sample(range(1, N_REPLACES + 1), 5))
 
 
@@ -586,7 +587,7 @@ def test_kill_9_then_resume_is_byte_identical(tmp_path, tiny_fp8_llama, clean, k
     for f in out.iterdir():  # nothing half-written looks complete: each file is final or temp
         if f.suffix == ".tmp":
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # as if killed mid-write
-        elif f.name != PROGRESS_NAME:
+        elif f.name not in (PROGRESS_NAME, CHECK_STATS_NAME):
             assert f.read_bytes() == (clean / f.name).read_bytes(), f.name
     (out / ".tmpK9x2Qa").write_bytes(b"\0" * 999)  # what a kill inside safetensors' save_file leaves
     done = len(json.loads((out / PROGRESS_NAME).read_text())["shards"]) if (out / PROGRESS_NAME).exists() else 0

@@ -6,9 +6,10 @@ finding at once; every tensor decided by ``quantize.plan.tensors``, recipe, TP /
 output folder and its free disk) -> per source shard, read lazily, refuse NaN / Inf / absurd
 amax, quantize (NVFP4 in the output format's arithmetic order, block FP8 passed through,
 MXFP8), check the shard against the planned layout, write it atomically -> index, carried
-files, config (+ hf_quant_config.json for ModelOpt) -> ``quantize check`` -> manifest (only
-when the check has no error). Calibration statistics (``quantize calibrate``) add W4A4 input
-scales and FP8 KV scales, and weight the block-scale search (``--scales``).
+files, config (+ hf_quant_config.json for ModelOpt) -> ``quantize check`` (its scale rule from
+the counts each shard's writer made) -> manifest (only when the check has no error).
+Calibration statistics (``quantize calibrate``) add W4A4 input scales and FP8 KV scales, and
+weight the block-scale search (``--scales``).
 Reading, quantizing and writing overlap (``quantize.convert.overlap``: a reader thread, this thread, a
 writer thread), NVFP4 goes through the fused kernels of ``quantize.kernels.fused`` (the
 block-scale search too, in both arithmetic orders), and shards can be divided among
@@ -46,12 +47,15 @@ from formats.checkpoint import (
     write_json_atomic,
 )
 from formats.manifest import (
+    CHECK_STATS_NAME,
     MANIFEST_NAME,
     PROGRESS_NAME,
     Ledger,
+    file_identity,
     fingerprint,
     remove_ledgers,
     source_path,
+    write_check_stats,
     write_manifest,
 )
 from formats.shards import (
@@ -71,7 +75,7 @@ from quantize.base.memory import (
 )
 from quantize.convert.overlap import Consumer, Producer, StageClock
 from quantize.convert.parallel import World, assign_shards, current_world, spawn_local
-from quantize.inspect.check import check_build, render_check
+from quantize.inspect.check import SCALE_NAMES, check_build, render_check, scale_faults
 from quantize.inspect.preflight import ABSURD_AMAX, MIN_AMAX, preflight
 from quantize.kernels import SCALE_METHODS
 from quantize.kernels.dtypes import count_bytes
@@ -162,7 +166,7 @@ def _prepare_out(out: Path, resume: bool) -> None:
     remove the files that mark a build complete and the temp files a killed run left (never
     complete files: every write goes through a temp name and a rename)."""
     if resume and out.is_dir():
-        for name in (MANIFEST_NAME, INDEX_NAME, "config.json"):
+        for name in (MANIFEST_NAME, INDEX_NAME, "config.json", CHECK_STATS_NAME):
             (out / name).unlink(missing_ok=True)
         for p in out.rglob("*"):
             if p.is_file() and is_temp_name(p.name):
@@ -593,8 +597,11 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
 
     def write(item) -> None:
         shard, tensors, deps, amaxes, stats = item
+        with clock("scale stats"):
+            check = _check_record(tensors)
         with clock("write + sha256"):
             digest = write_shard_atomic(tensors, out / shard, sha256=True)
+            stats["check"] = dict(check, file=file_identity(out / shard), sha256=digest)
         tensors.clear()
         release_freed_memory(keep=reuse)
         with clock("ledger"):
@@ -903,8 +910,9 @@ def _write_configs(plan: _Plan, out: Path, opts: ConvertOptions) -> tuple[list[s
 
 def _finish(plan: _Plan, out: Path, opts: ConvertOptions, result: _RankResult, t0: float) -> Summary:
     """After every shard is written (rank 0 only): index, carried files, config and extra
-    files, ``quantize check`` (the check reads only what was written), manifest; then the
-    ledgers go.
+    files, the scale statistics counted as each shard was written (``write_check_stats``),
+    ``quantize check`` (it reads only what was written: headers, the one-element scales, and
+    the block scales of a shard changed since its write), manifest; then the ledgers go.
 
     Raises:
         CheckFailed: the check found errors (no manifest written).
@@ -913,6 +921,8 @@ def _finish(plan: _Plan, out: Path, opts: ConvertOptions, result: _RankResult, t
     job, source = plan.job, plan.job.source
     index = write_index(out, job.out_shards)
     ignore, carried = _write_configs(plan, out, opts)
+    write_check_stats(out, {s: result.stats[s]["check"] for s in job.out_shards
+                            if "check" in result.stats.get(s, {})})
     findings = check_build(out, engine=opts.engine, tp=opts.tp)
     errors = [f for f in findings if f.level == "error"]
     if errors:
@@ -938,6 +948,20 @@ def _finish(plan: _Plan, out: Path, opts: ConvertOptions, result: _RankResult, t
     return Summary(out, dict(plan.counts), plan.bytes_in, bytes_out, result.elements,
                    time.perf_counter() - t0, result.written, result.skipped, ignore, plan.notes,
                    findings, stages, dict(result.cpu_seconds))
+
+
+def _check_record(tensors: dict[str, torch.Tensor]) -> dict:
+    """What ``quantize check``'s scale rule finds in an output shard about to be written,
+    counted from its tensors (``quantize.inspect.check.scale_faults`` on each tensor named
+    like a scale, :data:`SCALE_NAMES`): ``{"scales": tensors counted, "faults": {tensor: n}}``
+    with only the tensors that have flagged values (formats.manifest CHECK_STATS_NAME)."""
+    counted, faults = 0, {}
+    for name, t in tensors.items():
+        if name.rsplit(".", 1)[-1] in SCALE_NAMES:
+            counted += 1
+            if n := scale_faults(t.cpu()):
+                faults[name] = n
+    return {"scales": counted, "faults": dict(sorted(faults.items()))}
 
 
 def _shard_stats(stats: dict, name: str, amax: float | None,

@@ -32,7 +32,10 @@ Rules, each a finding with the tensor or module it is about (docs/formats.md §B
   VLLM_MLA_KV_SCALES_LOADED, VLLM_MODELOPT_KV_SCHEME; docs/formats.md §B.4).
 - ``mtp``: each MTP layer (index from config) is present and complete, ``eh_proj`` unquantized.
 - ``sensitive``: routers and other sensitive modules unquantized; model-specific loader rows.
-- ``scale``: no NaN / Inf / non-positive scale value, no 0x7F / 0xFF e4m3 byte (FC-11).
+- ``scale``: no NaN / Inf / non-positive scale value, no 0x7F / 0xFF e4m3 byte (FC-11)
+  (:func:`scale_faults`). On a fresh build the counts come from the converter, which counted
+  them in the tensors it wrote (``formats.manifest`` CHECK_STATS_NAME); the scales of a shard
+  changed since the build, of a build without those statistics, and with ``full``, are read.
 - ``calibration`` (compressed-tensors): W4A4 input scales present on every NVFP4 module and
   equal inside fused groups, none in a weight-only build, k/v scales paired and positive
   (``quantize.inspect.calib_check``).
@@ -41,7 +44,7 @@ Rules, each a finding with the tensor or module it is about (docs/formats.md §B
 import fnmatch
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,19 +72,53 @@ from formats.engines import (
     mixed_moe_schemes,
     model_rules_broken,
 )
+from formats.manifest import load_check_stats
 from formats.shards import ShardReader, TensorInfo, read_header
 from quantize import archs
 from quantize.base.errors import Finding
 from quantize.kernels.dtypes import count_bytes
 from quantize.plan.recipe import Target
 
-__all__ = ["check_build", "render_check"]
+__all__ = ["SCALE_NAMES", "ScaleReads", "check_build", "render_check", "scale_faults"]
 
 _QUANTIZED = tuple(t.value for t in Target if t.quantized)
 _LOCAL_NAMES = frozenset(n.rsplit(".", 1)[1] for f in FORMATS for t in _QUANTIZED
                          for n in get_writer(f).output_specs("m", t, (128, 128), scheme="w4a4"))
 """Local names of every tensor a writer puts under a quantized module (both formats)."""
-_SCALE_NAMES = tuple(sorted(_LOCAL_NAMES - {"weight", "weight_packed"}))
+SCALE_NAMES = tuple(sorted(_LOCAL_NAMES - {"weight", "weight_packed"}))
+"""Local names of the scale tensors the ``scale`` rule reads (both writers' ``output_specs``)."""
+
+
+def scale_faults(t: torch.Tensor) -> int:
+    """Values of one scale tensor (any shape, CPU) that the ``scale`` rule flags: for e4m3
+    block scales the NaN bytes 0x7F / 0xFF (FC-11); for a float scale (F32 / BF16 global,
+    input, 128x128 block FP8 scales) NaN, Inf or <= 0; for U8 (MXFP8 e8m0) none. The
+    converter counts these as it writes (``formats.manifest.write_check_stats``)."""
+    if t.dtype == torch.float8_e4m3fn:
+        b = t.contiguous().view(torch.uint8).numpy()
+        if b.size == 0 or b.max() < 0x7F:  # one vectorized pass: a good scale has no byte >= 0x7F
+            return 0
+        return count_bytes(t, 0x7F, 0x7F)
+    if t.dtype == torch.uint8:
+        return 0
+    f = t.to(torch.float32)
+    return int((~torch.isfinite(f) | (f <= 0)).sum())
+
+
+@dataclass
+class ScaleReads:
+    """How :func:`check_build` got the scale rule's counts (filled in when passed).
+
+    Attributes:
+        recorded: shards whose counts came from the converter's statistics.
+        read: shards whose scale tensors were read.
+        problem: why shards with statistics were read anyway (changed since the build, or
+            an unreadable statistics file); None when none were.
+    """
+
+    recorded: list[str] = field(default_factory=list)
+    read: list[str] = field(default_factory=list)
+    problem: str | None = None
 
 
 def render_check(f: Finding) -> str:
@@ -619,29 +656,59 @@ def _check_vllm_model(config: dict, infos: dict[str, TensorInfo], mods: dict[str
                                f"% {VLLM_MOE_HIDDEN_MULTIPLE} (prepare_nvfp4_moe_layer_for_marlin)", m.name))
 
 
-def _check_scales(mods: dict[str, _Module], reader: ShardReader, out: list) -> None:
+def _check_scales(mods: dict[str, _Module], reader: ShardReader, recorded: dict[str, dict],
+                  out: list) -> None:
+    """The ``scale`` rule (:func:`scale_faults`) on every scale tensor of a quantized module:
+    counted by the converter for the shards in ``recorded`` (shard -> record of
+    ``formats.manifest.load_check_stats``), read from the file for the others."""
     for m in mods.values():
-        for local in _SCALE_NAMES:
+        for local in SCALE_NAMES:
             info = m.tensors.get(local)
             if info is None or m.kind == "unquantized":
                 continue
-            t = reader.get(info.shard, info.name)
-            if t.dtype == torch.float8_e4m3fn:
-                bad = count_bytes(t, 0x7F, 0x7F)
-                if bad:
-                    out.append(Finding("error", "scale", f"{bad} NaN e4m3 byte(s) (0x7F/0xFF) (FC-11)", info.name))
-            elif t.dtype != torch.uint8:
-                f = t.to(torch.float32)
-                bad = int((~torch.isfinite(f) | (f <= 0)).sum())
-                if bad:
-                    out.append(Finding("error", "scale", f"{bad} NaN, Inf or non-positive value(s)", info.name))
+            rec = recorded.get(info.shard)
+            bad = rec["faults"].get(info.name, 0) if rec is not None else \
+                scale_faults(reader.get(info.shard, info.name))
+            if bad and info.dtype == "F8_E4M3":
+                out.append(Finding("error", "scale", f"{bad} NaN e4m3 byte(s) (0x7F/0xFF) (FC-11)", info.name))
+            elif bad:
+                out.append(Finding("error", "scale", f"{bad} NaN, Inf or non-positive value(s)", info.name))
 
 
-def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scales: bool = True) -> list[Finding]:
+def _recorded_scales(folder: Path, infos: dict[str, TensorInfo], full: bool,
+                     reads: ScaleReads) -> dict[str, dict]:
+    """Shard -> the converter's scale counts, for the shards unchanged since the build whose
+    recorded number of scale tensors matches their header; none with ``full``."""
+    shards = sorted({i.shard for i in infos.values()})
+    kept, problem = ({}, None) if full else load_check_stats(folder)
+    kept = {s: r for s, r in (kept or {}).items() if s in shards}
+    in_header: dict[str, int] = {}
+    for n, i in infos.items():
+        if n.rsplit(".", 1)[-1] in SCALE_NAMES:
+            in_header[i.shard] = in_header.get(i.shard, 0) + 1
+    mismatched = [s for s in kept if kept[s]["scales"] != in_header.get(s, 0)]
+    for s in mismatched:
+        del kept[s]
+    if mismatched:
+        problem = ((problem + "; ") if problem else "") + (
+            f"{len(mismatched)} shard(s) hold other scale tensors than were counted "
+            f"({', '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''})")
+    reads.recorded = [s for s in shards if s in kept]
+    reads.read = [s for s in shards if s not in kept]
+    reads.problem = problem
+    return {s: kept[s] for s in reads.recorded}
+
+
+def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scales: bool = True,
+                full: bool = False, reads: ScaleReads | None = None) -> list[Finding]:
     """Findings for the build in ``folder`` as ``engine`` would load it with ``tp`` ranks.
 
-    Reads config.json, hf_quant_config.json, the index, every shard header, and (with
-    ``scan_scales``) the scale tensors; never a weight.
+    Reads config.json, hf_quant_config.json, the index, every shard header, the one-element
+    scales (global, input and k/v scales: fused-group and calibration rules) and, with
+    ``scan_scales``, the scale rule's counts: from the converter's statistics for the shards
+    unchanged since the build, else (and for every shard with ``full``) by reading every
+    scale tensor. Never a weight. ``reads``, when given, is filled in with which shards'
+    scales were read and why.
 
     Returns:
         findings, errors first; an empty list means the build is clean.
@@ -658,9 +725,11 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
     out: list[Finding] = []
     config = json.loads((folder / "config.json").read_text())
     weight_map = load_index(folder)
-    infos = read_all_headers(folder, weight_map)
+    headers: dict[str, dict[str, TensorInfo]] = {}  # each header read once here
+    infos = read_all_headers(folder, weight_map,
+                             lambda s: headers.setdefault(s, read_header(folder / s)))
     for shard in sorted(set(weight_map.values())):
-        for name in read_header(folder / shard):
+        for name in headers[shard]:
             if weight_map.get(name) != shard:
                 out.append(Finding("error", "layout", f"in shard {shard} but not in {INDEX_NAME} (FC-21)", name))
     qc = config.get("quantization_config") or {}
@@ -694,7 +763,7 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
             _check_vllm_model(config, infos, mods, out)
             _check_vllm_kv_scales(config, folder, fmt, infos, out)
         if scan_scales:
-            _check_scales(mods, reader, out)
+            _check_scales(mods, reader, _recorded_scales(folder, infos, full, reads or ScaleReads()), out)
     finally:
         reader.close()
     if fmt == "compressed-tensors" and scan_scales:

@@ -10,7 +10,8 @@ Checks, all reported together:
 3. layout: every tensor the manifest's ``targets`` lists is in the build under the names,
    dtypes and shapes its output format writes (``output_specs`` of the format's writer);
 4. engine checks: ``quantize check`` with the manifest's engine and TP (:func:`_engine_checks`,
-   the single call site);
+   the single call site), reading every scale tensor (``full``: not the converter's counts in
+   the local ``.spark-quant-stats.json``, which verify neither requires nor lists);
 5. samples: a few rows of every NVFP4, bf16 and kept tensor are read back; NVFP4 rows
    (compressed-tensors or ModelOpt) are dequantized and must be finite with no NaN scale
    bytes; when the source is available (``--src`` or the path in the manifest) and its shard
@@ -32,6 +33,7 @@ import torch
 from formats import get_writer
 from formats.checkpoint import INDEX_NAME
 from formats.manifest import (
+    CHECK_STATS_NAME,
     MANIFEST_NAME,
     fingerprint,
     has_ledger,
@@ -107,7 +109,7 @@ def _check_files(build: Path, manifest: dict, rep: VerifyReport) -> None:
                     "modified after the build)", key=rel)
     for p in sorted(build.rglob("*")):
         rel = str(p.relative_to(build))
-        if p.is_file() and rel != MANIFEST_NAME and rel not in listed:
+        if p.is_file() and rel not in (MANIFEST_NAME, CHECK_STATS_NAME) and rel not in listed:
             why = ("an unfinished run's progress ledger" if is_ledger_name(rel) else
                    "a leftover temp file" if is_temp_name(p.name) else "not in the manifest")
             rep.add("error", "files", f"{rel}: {why}", key=rel)
@@ -184,7 +186,7 @@ def _engine_checks(build: Path, manifest: dict) -> list[Finding]:
 
     opts = manifest.get("options", {})
     try:
-        found = check_build(build, engine=opts.get("engine", "vllm"), tp=opts.get("tp", 1))
+        found = check_build(build, engine=opts.get("engine", "vllm"), tp=opts.get("tp", 1), full=True)
     except SparkQuantError as e:  # its own strict reads failed: the findings above say why
         return [Finding("error", "check", "quantize check could not run: "
                         + str(e).splitlines()[0])]

@@ -1,6 +1,7 @@
 """``quantize check``: clean builds pass; each broken property is named with its tensor."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -348,3 +349,210 @@ def test_ct_group_weight_args_must_be_the_writers(build):
     found = [(f.level, f.kind, f.message) for f in check_build(build) if f.kind == "config"]
     assert found == [("error", "config", "config_groups.group_0.weights: num_bits 8 (the nvfp4 layout "
                       "has 4); group_size 32 (the nvfp4 layout has 16)")]
+
+
+# ---- the scale rule from the converter's counts (issue 18) --------------------------------
+
+class ShardReads:
+    """Every read of shard bytes through ``formats.shards`` (the only code that opens weight
+    files): ``(file, offset, bytes)`` of header reads (file objects) and of tensor reads
+    (``os.preadv`` of ``ShardReader``)."""
+
+    def __init__(self, monkeypatch):
+        from formats import shards
+
+        self.header: list[tuple[str, int, int]] = []
+        self.data: list[tuple[str, int, int]] = []
+        real_open, real_preadv = open, os.preadv
+        reads = self
+
+        class Counted:
+            def __init__(self, f):
+                self.f = f
+
+            def read(self, n=-1):
+                at = self.f.tell()
+                b = self.f.read(n)
+                reads.header.append((os.path.basename(self.f.name), at, len(b)))
+                return b
+
+            def __getattr__(self, k):
+                return getattr(self.f, k)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+        def preadv(fd, bufs, offset):
+            n = real_preadv(fd, bufs, offset)
+            reads.data.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
+            return n
+
+        monkeypatch.setattr(shards, "open", lambda p, mode="r", *a, **k: Counted(real_open(p, mode, *a, **k)),
+                            raising=False)
+        monkeypatch.setattr(os, "preadv", preadv)
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for *_, n in self.header) + sum(n for *_, n in self.data)
+
+
+def _infos(folder):
+    from formats.shards import read_header
+
+    return {n: i for p in sorted(folder.glob("*.safetensors")) for n, i in read_header(p).items()}
+
+
+def _header_ends(folder):
+    import struct
+
+    return {p.name: 8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in folder.glob("*.safetensors")}
+
+
+def _tensor_at(infos, shard, offset, n):
+    """The tensors of ``shard`` whose bytes a read of ``n`` bytes at ``offset`` touches."""
+    return {name for name, i in infos.items()
+            if i.shard == shard and i.offset < offset + n and offset < i.offset + i.nbytes}
+
+
+def test_fresh_glm5_next_check_reads_headers_and_scalars_only(glm5_next_src, tmp_path, monkeypatch):
+    """GLM-5.3-Flash fixture, spark-mixed: on the fresh build ``quantize check`` reads shard
+    headers and one-element global scales, never a block scale; ``full`` reads every one."""
+    from quantize.inspect.check import ScaleReads
+
+    build = tmp_path / "b"
+    convert(glm5_next_src, build, recipe="spark-mixed", progress=False, device="cpu")
+    infos, ends = _infos(build), _header_ends(build)
+    block_scales = {n for n, i in infos.items() if n.endswith(".weight_scale") and i.dtype == "F8_E4M3"}
+    assert len(block_scales) > 100
+    counted = ShardReads(monkeypatch)
+    reads = ScaleReads()
+    assert check_build(build, reads=reads) == []
+    assert (reads.recorded, reads.read, reads.problem) == (sorted(ends), [], None)
+    assert all(at + n <= ends[f] for f, at, n in counted.header)  # headers only
+    touched = set().union(*(_tensor_at(infos, f, at, n) for f, at, n in counted.data))
+    assert touched and all(infos[t].shape == (1,) and t.endswith(".weight_global_scale") for t in touched)
+    assert sum(n for *_, n in counted.data) == 4 * len(counted.data)  # one F32 each
+    monkeypatch.undo()
+    full = ShardReads(monkeypatch)
+    full_reads = ScaleReads()
+    assert check_build(build, full=True, reads=full_reads) == []
+    assert (full_reads.recorded, full_reads.read, full_reads.problem) == ([], sorted(ends), None)
+    assert block_scales <= set().union(*(_tensor_at(infos, f, at, n) for f, at, n in full.data))
+
+
+def test_fresh_build_check_reads_under_one_percent(tmp_path, monkeypatch):
+    """GLM-5.3-Flash-shaped routed experts (gate/up [1024, 2048], down [2048, 1024]): the
+    check of the fresh build reads <= 1 % of the shard bytes (headers and the 4 gate/up
+    global scales); with ``full`` it reads every block scale (1/9 of an NVFP4 build)."""
+    from quantize.data.fixtures import write_synthetic_fp8
+
+    src = write_synthetic_fp8(tmp_path / "src", n_shards=1, experts_per_shard=2, fast=True)
+    build = tmp_path / "b"
+    convert(src, build, progress=False, device="cpu", kernel="reference")
+    total = sum(p.stat().st_size for p in build.glob("*.safetensors"))
+    scales = sum(i.nbytes for n, i in _infos(build).items() if n.endswith(".weight_scale"))
+    counted = ShardReads(monkeypatch)
+    check_build(build)
+    assert sum(n for *_, n in counted.data) == 4 * 4  # gate/up weight_global_scale of 2 experts
+    assert counted.bytes <= total / 100
+    monkeypatch.undo()
+    full = ShardReads(monkeypatch)
+    check_build(build, full=True)
+    assert full.bytes > scales > total / 10
+
+
+def _plant_nan(build, name):
+    """Overwrite the first byte of block-scale tensor ``name`` in its shard, in place, with
+    the e4m3 NaN code 0x7F (the file keeps its size and inode)."""
+    shard = json.loads((build / INDEX_NAME).read_text())["weight_map"][name]
+    info = _infos(build)[name]
+    with open(build / shard, "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\x7f")
+    return shard
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_nan_planted_after_the_build_is_caught(tmp_path, fmt, capsys):
+    """A block-scale byte overwritten with NaN after the build: the shard no longer matches
+    the converter's record, so check reads its scales and fails naming the tensor (also when
+    the file's mtime is set back: its ctime moved)."""
+    from formats.manifest import CHECK_STATS_NAME
+    from quantize.inspect.check import ScaleReads
+
+    src, _ = moe_layer(tmp_path, n_layers=2)
+    build = tmp_path / "b"
+    convert(src, build, fmt=fmt, progress=False)
+    name = f"{E}.up_proj.weight_scale"
+    st = os.stat(build / json.loads((build / INDEX_NAME).read_text())["weight_map"][name])
+    shard = _plant_nan(build, name)
+    os.utime(build / shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime as it was
+    reads = ScaleReads()
+    assert errors(build, reads=reads) == [("scale", name)]
+    assert reads.read == [shard] and shard not in reads.recorded
+    assert reads.problem == (f"1 shard(s) changed or copied since the build ({shard}: size, mtime, "
+                             f"ctime or inode differ from {CHECK_STATS_NAME})")
+    capsys.readouterr()
+    assert main(["check", str(build)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"ERROR [scale] {name}: 1 NaN e4m3 byte(s) (0x7F/0xFF) (FC-11)",
+        f"note: scales of 1 shard(s) read from the files: {reads.problem}",
+        f"{build}: 1 error(s), 0 warning(s) for vllm TP=1"]
+
+
+def test_converter_garbage_scale_fails_the_build_from_its_counts(tmp_path, monkeypatch):
+    """The in-build check takes the scale rule's counts from the converter, which counts the
+    tensors it writes: a NaN block-scale byte out of the kernel still fails the build."""
+    import formats.compressed_tensors as ct
+
+    real = ct.emit_nvfp4
+
+    def poisoned(module, packed, block_scale, *a, **k):
+        if module == E + ".down_proj":
+            block_scale = block_scale.clone()
+            block_scale.view(torch.uint8)[0, 1] = 0xFF
+        return real(module, packed, block_scale, *a, **k)
+
+    monkeypatch.setattr(ct, "emit_nvfp4", poisoned)
+    src, _ = moe_layer(tmp_path, n_layers=2)
+    with pytest.raises(CheckFailed, match=rf"ERROR \[scale\] {E}.down_proj.weight_scale: 1 NaN e4m3 byte"):
+        convert(src, tmp_path / "b", progress=False)
+    stats = json.loads((tmp_path / "b" / ".spark-quant-stats.json").read_text())
+    assert [r["faults"] for r in stats["shards"].values() if r["faults"]] == [{f"{E}.down_proj.weight_scale": 1}]
+
+
+def test_stats_file_layout_and_verify(clean):
+    """The file the converter writes (formats.manifest CHECK_STATS_NAME): one record per
+    shard, its identity, sha256 (the manifest's), the scale tensors it counted; local to the
+    folder: the manifest does not list it and verify does not flag it."""
+    from formats.manifest import CHECK_STATS_NAME, MANIFEST_NAME, file_identity
+    from quantize.inspect.check import SCALE_NAMES
+    from quantize.inspect.verify import verify
+
+    build = clean["compressed-tensors"]
+    stats = json.loads((build / CHECK_STATS_NAME).read_text())
+    manifest = json.loads((build / MANIFEST_NAME).read_text())
+    shards = sorted(set(json.loads((build / INDEX_NAME).read_text())["weight_map"].values()))
+    assert stats["version"] == 1 and sorted(stats["shards"]) == shards
+    infos = _infos(build)
+    for s, rec in stats["shards"].items():
+        assert rec == {"file": file_identity(build / s), "sha256": manifest["files"][s]["sha256"],
+                       "scales": sum(i.shard == s and n.rsplit(".", 1)[1] in SCALE_NAMES for n, i in infos.items()),
+                       "faults": {}}
+    assert CHECK_STATS_NAME not in manifest["files"]
+    rep = verify(build)
+    assert rep.ok, rep.render()
+
+
+def test_scale_faults_counts_what_the_scale_rule_flags():
+    from quantize.inspect.check import scale_faults
+
+    b = torch.tensor([[0x01, 0x7E, 0x7F], [0xFF, 0x80, 0x38]], dtype=torch.uint8)
+    assert scale_faults(b.view(torch.float8_e4m3fn)) == 2  # 0x7F, 0xFF; -0 (0x80) is not NaN
+    assert scale_faults(torch.tensor([[1, 2], [3, 0x7E]], dtype=torch.uint8).view(torch.float8_e4m3fn)) == 0
+    f = torch.tensor([float("nan"), float("inf"), -1.0, 0.0, 1e-3, 448.0])
+    assert scale_faults(f) == 4 and scale_faults(f.bfloat16()) == 4
+    assert scale_faults(torch.tensor([0, 255], dtype=torch.uint8)) == 0  # e8m0: not judged here
