@@ -83,7 +83,10 @@ def test_stream_within_two_shards_and_resume_after_kill(tmp_path):
         commit = hub.serve_folder(REPO, src, private=True, card_data={"license": "mit"})
         hub.watch = hf_home
         env = client_env(hub, hf_home, HF_TOKEN=TOKEN)
-        args = ["nvfp4", "--src", REPO, "--out", str(out), "--quiet", "--device", "cpu"]
+        # A source budget of the two largest shards: shard 3 is fetched only once shard 1 is
+        # converted and deleted.
+        args = ["nvfp4", "--src", REPO, "--out", str(out), "--quiet", "--device", "cpu",
+                "--source-budget", str(two_largest)]
         # Run 1 is killed (SIGKILL, no cleanup) when it asks for shard 3: shard 1 is converted,
         # shard 2 was fetched as shard 1's partner and is not converted yet.
         rc, _, err = run_quantize(args, env, hub,
