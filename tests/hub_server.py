@@ -354,7 +354,7 @@ def _handler(hub: FakeHub):
                 body[bad["offset"] - start] ^= 0xFF
                 body = bytes(body)
                 self._log(file=rel, corrupted=bad["offset"])
-            cut = hub._take(rel, hub.drop)
+            cut = hub._take(rel, [c for c in hub.drop if c["after"] < len(body)])
             try:
                 self.send_response(status)
                 for k, v in headers.items():

@@ -179,6 +179,7 @@ class HubShards(ShardFiles):
         self._readers: dict[str, set[int]] = {}
         self._released: set[str] = set()
         self.trace: list[tuple[str, str, int]] = []
+        self.idle = threading.Event()  # the read-ahead waits for the budget, or is done
 
     def header(self, shard: str) -> dict[str, TensorInfo]:
         return self.headers[shard]
@@ -257,19 +258,24 @@ class HubShards(ShardFiles):
             with self._cv:
                 while not self._stop and i > self._demand and self.budget is not None \
                         and self._held and sum(self._held.values()) + size > self.budget:
+                    self.idle.set()  # waiting for the converter to release a shard
                     self._cv.wait()
                 if self._stop:
+                    self.idle.set()
                     return
+                self.idle.clear()
             try:
                 p = self._fetch(shard)
             except BaseException as e:  # raised in the converter when it asks for the shard
                 with self._cv:
                     self._errors[shard] = e
                     self._cv.notify_all()
+                self.idle.set()
                 return
             with self._cv:
                 self._ready[shard] = p
                 self._cv.notify_all()
+        self.idle.set()
 
     def path(self, shard: str) -> Path:
         """The snapshot path of ``shard``, downloaded and verified (waiting for the
