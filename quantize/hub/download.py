@@ -5,16 +5,19 @@ Download (``--src ORG/NAME[@REVISION]``): the revision is resolved to a commit a
 list (sizes, LFS sha256) read with one ``model_info`` call; the small files (config, index,
 tokenizer, license, code) are downloaded; every shard header is read with an HTTP range
 request (or from the cache), so the whole job is planned and validated before any weight is
-fetched. Shards are then downloaded into the Hugging Face cache when the converter first reads
-them, checked (header identical to the planned one, sha256 equal to the Hub's LFS sha256), and
-deleted once no later shard reads them; a shard that was already in the cache is the user's and
-is never deleted. ``HF_TOKEN``, ``HF_HOME``/``HF_HUB_CACHE``, ``HF_ENDPOINT`` and
+fetched. Shards are then downloaded into the Hugging Face cache in the background, in the order
+the converter reads them and as far ahead as the disk budget allows (:class:`HubShards`),
+hashed as the bytes arrive (``quantize.hub.stream``: sha256 equal to the Hub's LFS sha256),
+checked (header identical to the planned one), and deleted once no later shard reads them; a
+shard that was already in the cache is the user's, checked by one read, and never deleted. ``HF_TOKEN``, ``HF_HOME``/``HF_HUB_CACHE``, ``HF_ENDPOINT`` and
 ``HF_HUB_OFFLINE`` act as they do for every ``huggingface_hub`` program; offline, the source
 is the cached snapshot and nothing is deleted.
 
 Which shards this build downloaded (and may delete) is written to ``<out>/.spark-quant-hub.json``
 before each download, so an interrupted run resumes without re-downloading a shard still in the
-cache and still deletes what it fetched; the file is removed when the last shard is done.
+cache (a partial one is resumed from its last byte) and still deletes what it fetched; the file
+is removed when the last shard is done. Ranks of one run each keep their own
+``.spark-quant-hub.rank<R>.json`` (see :class:`HubShards`).
 """
 
 import errno
