@@ -92,8 +92,14 @@ def main() -> None:
         cmd = [sys.executable, "-m", "quantize.cli", "nvfp4", "--src", REPO, "--out",
                str(work / "out-hub"), "--quiet", "--device", args.device, "--no-showcase",
                "--source-budget", str(budget), "--workers", str(args.workers)]
+        n_log, t0 = len(hub.log), time.monotonic()
         t_build, out = timed(cmd, client_env(hub, work / "hf-build"))
+        t_end = t0 + t_build
         sampled = max((s["on_disk"] + s["size"] for s in hub.samples), default=0)
+        sent = [(t, e) for t, e in zip(hub.times[n_log:], hub.log[n_log:])
+                if e.get("file", "").endswith(".safetensors") and (e.get("full") or e.get("sent"))]
+        first_get = min(t for t, e in sent if e.get("full"))
+        last_byte = max(t for t, e in sent if e.get("sent"))
     m = re.search(r"peak ([\d.]+) MiB of shards on disk", out)
     counted = float(m[1]) * 2**20 if m else float("nan")
     t_local, _ = timed([sys.executable, "-m", "quantize.cli", "nvfp4", "--src", str(src), "--out",
@@ -101,11 +107,16 @@ def main() -> None:
                         "--workers", str(args.workers)], dict(os.environ, PYTHONPATH=str(ROOT)))
     same = all((work / "out-hub" / s).read_bytes() == (work / "out-local" / s).read_bytes()
                for s in sizes)
+    start, span, tail = first_get - t0, last_byte - first_get, t_end - last_byte
+    raw.update(start_s=start, download_span_s=span, tail_s=tail)
     raw.update(download_s=t_dl, build_s=t_build, local_convert_s=t_local, ratio=t_build / t_dl,
                peak_counted=counted, peak_sampled=sampled, same_bytes=same)
     print(f"  download alone (hf_hub_download)    : {t_dl:7.1f} s ({total / t_dl / 1e6:.1f} MB/s)")
     print(f"  Hub -> finished build (quantize)    : {t_build:7.1f} s  ratio {t_build / t_dl:.3f} "
           "(goal <= 1.1)")
+    print(f"    of which: {start:.1f} s before the first shard request (start-up, listing, "
+          f"headers, pre-flight), {span:.1f} s from it to the last shard byte, {tail:.1f} s after "
+          "it (the last shard's conversion, check, manifest)")
     print(f"  conversion alone from a local folder: {t_local:7.1f} s  (download then convert: "
           f"{t_dl + t_local:.1f} s, {(t_dl + t_local) / t_dl:.2f}x)")
     print(f"  peak source bytes on disk: {counted / 2**20:.1f} MiB counted by the converter, "

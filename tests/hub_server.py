@@ -107,6 +107,7 @@ class FakeHub:
         self.repos: dict[str, FakeRepo] = {}
         self.lfs: dict[str, bytes] = {}
         self.log: list[dict] = []
+        self.times: list[float] = []  # time.monotonic() of each log entry
         self.hooks: list = []  # called with each event dict; may kill a client
         self.reject_yaml: str | None = None
         self.watch: Path | None = None  # a cache dir: sample its blob bytes at each shard GET
@@ -154,9 +155,11 @@ class FakeHub:
         return repo.commit(files, "main", "upload folder")
 
     def event(self, **ev) -> bool:
-        """Log ``ev`` and run the hooks; True when a hook acted (e.g. killed the client)."""
+        """Log ``ev`` (its time.monotonic() in ``times``) and run the hooks;
+        True when a hook acted (e.g. killed the client)."""
         with self._lock:
             self.log.append(ev)
+            self.times.append(time.monotonic())
         return any([hook(ev) for hook in list(self.hooks)])
 
     def _take(self, path: str, table: list[dict]) -> dict | None:
@@ -368,6 +371,9 @@ def _handler(hub: FakeHub):
                     self._log(file=rel, dropped=cut["after"])
                     return
                 hub.send_throttled(self.wfile, body)
+                self.wfile.flush()
+                if full:
+                    self._log(file=rel, sent=len(body))
             except (BrokenPipeError, ConnectionResetError):
                 pass
 
