@@ -149,6 +149,22 @@ class ShardFiles:
         """Shard name -> bytes still to download before it can be read (none for a folder)."""
         return {}
 
+    budget_limit: int | None = None
+    """The user's most bytes of downloaded shards on disk at once (None: what the disk allows)."""
+
+    def set_disk_budget(self, free_bytes: int) -> None:
+        """``free_bytes`` of free disk are left for downloads once the rest of the build is
+        reserved (``quantize.inspect.budget.check_free_disk``; a no-op for a folder)."""
+
+    def will_read(self, orders: list[list[str]], rank: int, todo: list[str]) -> None:
+        """The converter's plan before its first read: ``orders`` every rank's shards in the
+        order its stream first reads them (:meth:`Source.read_order`), ``todo`` this rank's
+        without the shards an earlier run finished (a no-op for a folder; a Hub source starts
+        downloading ahead)."""
+
+    def close(self) -> None:
+        """Stop any background work (the source is closed)."""
+
 
 class Source:
     """A source checkpoint folder with lazy, dequantizing reads.
@@ -335,6 +351,23 @@ class Source:
                 out.add(t.scale.shard)
         return out
 
+    def read_order(self, shards: list[str]) -> list[str]:
+        """Shard files in the order a :meth:`stream` of ``shards`` first reads them: each
+        shard of ``shards`` in index order, followed by the other shards it reads
+        (:meth:`reads_of`, sorted) not read before."""
+        wanted = set(shards)
+        out: list[str] = []
+        for s in (s for s in self.shards if s in wanted):
+            for r in [s, *sorted(self.reads_of(s) - {s})]:
+                if r not in out:
+                    out.append(r)
+        return out
+
+    def __reduce__(self):
+        # another process (--workers) opens the same source again: the folder and the shard
+        # files object (a Hub stream pickles its plan, not its threads)
+        return (open_source, (self.folder, self.files))
+
     def stream(self, shards: list[str] | None = None) -> Iterator[str]:
         """Yield shard names in index order (all, or those of ``shards``: one rank's share).
         When the caller moves on from a shard, every shard that no later shard reads is
@@ -450,6 +483,7 @@ class Source:
 
     def close(self) -> None:
         self._reader.close()
+        self.files.close()
 
 
 def _e8m0_as_f32(scale: torch.Tensor) -> torch.Tensor:

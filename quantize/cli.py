@@ -73,7 +73,7 @@ def _is_descriptor(p: Path) -> bool:
         and isinstance(data.get("tensors"), dict)
 
 
-def _resolve_src(src: str, out: str | None, keep_source: bool):
+def _resolve_src(src: str, out: str | None, keep_source: bool, source_budget: int | None = None):
     """--src -> (folder or opened Source, provenance, Hub fetcher or None, output folder)."""
     if src == "demo":
         from quantize.data.demo import build_demo
@@ -97,7 +97,23 @@ def _resolve_src(src: str, out: str | None, keep_source: bool):
         return p, {}, None, Path(out or f"{p.resolve().name}-NVFP4")
     if REPO_REF.match(src) and not p.exists():
         out_dir = Path(out or f"{src.split('@')[0].split('/')[1]}-NVFP4")
-        source, info, fetcher = open_hub_source(src, out_dir, keep_source=keep_source)
+        from quantize.convert.parallel import current_world
+
+        world = current_world()
+        # under torchrun rank 0 resolves the commit, lists the files and reads the headers;
+        # every rank gets that plan and fetches the shards it reads into the shared cache
+        # (quantize.hub.download.HubShards; HF_HOME must be one folder for all ranks)
+        opened = err = None
+        if world.rank == 0:
+            try:
+                opened = open_hub_source(src, out_dir, keep_source=keep_source,
+                                         budget=source_budget)
+            except Exception as e:
+                err = e
+        opened, err = world.broadcast((opened, err))
+        if err is not None:
+            raise err
+        source, info, fetcher = opened
         return source, info, fetcher, out_dir
     raise SparkQuantError(f"--src {src}: no such folder")
 
@@ -189,7 +205,8 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
 
     init_from_env()  # under torchrun: one rank of several
     rank = current_world().rank
-    src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source)
+    src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source,
+                                           args.source_budget)
     if args.workers == "auto":
         args.workers = _auto_workers(src, args.device, args.kernel)
     _check_workers(args.workers, src)
@@ -230,6 +247,8 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
         if hint:
             e.args = (f"{e}\n{hint}",) if str(e) else (hint,)
         raise
+    if fetcher is not None and (args.workers > 1 or current_world().size > 1) and not rank:
+        fetcher.gather_ranks()  # every rank has finished: their totals, their state files
     if rank:
         return 0
     print(summary.render())
@@ -414,6 +433,19 @@ def _int_at_least(low: int):
     return parse
 
 
+def _bytes_arg(text: str) -> int:
+    """argparse ``type``: a size in bytes, or with a binary unit K, M, G, T (``40G`` = 40 GiB)."""
+    import re
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", text.strip(), re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 40G, 512M, 1000000)")
+    value = int(float(m[1]) * 1024 ** " KMGT".index((m[2] or " ").upper()))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
 def _float_in(low: float, high: float | None = None, low_open: bool = False):
     """argparse ``type``: a number >= ``low`` (> with ``low_open``) and <= ``high``."""
     def parse(text: str) -> float:
@@ -513,6 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--keep-source", action="store_true",
                    help="with a Hub --src: keep downloaded shards in the cache (default: delete "
                         "each once converted; shards already cached are never deleted)")
+    n.add_argument("--source-budget", type=_bytes_arg, metavar="SIZE",
+                   help="with a Hub --src: most bytes of downloaded shards on disk at once, "
+                        "e.g. 40G (default: the free disk left after the predicted build); "
+                        "shards download ahead of the converter within it")
     n.add_argument("--out", help="output folder (default: ./<src name>-NVFP4)")
     n.add_argument("--scheme", default="w4a16", choices=SCHEMES,
                    help="w4a16: weight-only NVFP4 (no calibration data); w4a4: NVFP4 "

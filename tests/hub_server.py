@@ -15,6 +15,10 @@ It serves exactly the routes ``huggingface_hub`` 2.x calls for what spark-quant 
 It does not speak the Xet CAS protocol: upload tests set ``HF_HUB_DISABLE_XET=1`` so the client
 uses LFS. It listens on 127.0.0.1 only, logs every request, can run a hook on chosen events (to
 kill a client mid-transfer), and shuts itself down after ``lifetime`` seconds.
+
+``bandwidth`` (bytes/s, all downloads together) makes it a link of fixed speed
+(scripts/bench_hub.py); ``corrupt`` serves a flipped byte in a file's body (a bad link or
+CDN), ``drop`` ends a response early (a dropped connection).
 """
 
 import base64
@@ -26,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -102,6 +107,7 @@ class FakeHub:
         self.repos: dict[str, FakeRepo] = {}
         self.lfs: dict[str, bytes] = {}
         self.log: list[dict] = []
+        self.times: list[float] = []  # time.monotonic() of each log entry
         self.hooks: list = []  # called with each event dict; may kill a client
         self.reject_yaml: str | None = None
         self.watch: Path | None = None  # a cache dir: sample its blob bytes at each shard GET
@@ -111,6 +117,15 @@ class FakeHub:
         # until "times" runs out (a flaky Hub: 429 rate limits, 503 overload)
         self.flaky: list[dict] = []
         self.failed: list[dict] = []  # the requests answered by an injected failure
+        # {"path" (regex), "offset" (byte of the file), "times"}: that byte is served flipped
+        # in each matching download (GET of a range holding it) until "times" runs out
+        self.corrupt: list[dict] = []
+        # {"path" (regex), "after" (bytes of the response body), "times"}: the connection is
+        # closed after that many bytes of a matching download's body
+        self.drop: list[dict] = []
+        self.bandwidth: float | None = None  # bytes/s shared by every download, None: no limit
+        self._link = threading.Lock()
+        self._link_t = 0.0  # when the link is free again (time.monotonic)
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -140,10 +155,34 @@ class FakeHub:
         return repo.commit(files, "main", "upload folder")
 
     def event(self, **ev) -> bool:
-        """Log ``ev`` and run the hooks; True when a hook acted (e.g. killed the client)."""
+        """Log ``ev`` (its time.monotonic() in ``times``) and run the hooks;
+        True when a hook acted (e.g. killed the client)."""
         with self._lock:
             self.log.append(ev)
+            self.times.append(time.monotonic())
         return any([hook(ev) for hook in list(self.hooks)])
+
+    def _take(self, path: str, table: list[dict]) -> dict | None:
+        with self._lock:
+            hit = next((f for f in table if f["times"] > 0 and re.search(f["path"], path)), None)
+            if hit is not None:
+                hit["times"] -= 1
+            return hit
+
+    def send_throttled(self, wfile, data: bytes) -> None:
+        """Write ``data`` at most at ``bandwidth`` bytes/s, counted over every download at
+        once (one link), in 1 MiB pieces."""
+        piece = 2**20
+        for i in range(0, len(data), piece):
+            chunk = data[i:i + piece]
+            if self.bandwidth:
+                with self._link:
+                    now = time.monotonic()
+                    self._link_t = max(self._link_t, now) + len(chunk) / self.bandwidth
+                    wait = self._link_t - now
+                if wait > 0:
+                    time.sleep(wait)
+            wfile.write(chunk)
 
     def blob_bytes(self) -> int:
         """Bytes of every LFS blob (named by sha256; finished or ``.incomplete``) under the
@@ -311,7 +350,32 @@ def _handler(hub: FakeHub):
             self._log(file=rel, full=full, head=head, bytes=0 if head else end - start)
             if head:
                 return self._send(status, headers=headers, head=True, length=end - start)
-            self._send(status, blob.read(start, end), headers)
+            body = blob.read(start, end)
+            bad = hub._take(rel, [c for c in hub.corrupt if start <= c["offset"] < end])
+            if bad is not None:
+                body = bytearray(body)
+                body[bad["offset"] - start] ^= 0xFF
+                body = bytes(body)
+                self._log(file=rel, corrupted=bad["offset"])
+            cut = hub._take(rel, [c for c in hub.drop if c["after"] < len(body)])
+            try:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, str(v))
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if cut is not None:
+                    hub.send_throttled(self.wfile, body[:cut["after"]])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self._log(file=rel, dropped=cut["after"])
+                    return
+                hub.send_throttled(self.wfile, body)
+                self.wfile.flush()
+                if full:
+                    self._log(file=rel, sent=len(body))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
 
         def do_POST(self):
             if self._flaky(body=True):

@@ -725,15 +725,16 @@ def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions |
     if opts.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {opts.workers}")
     if opts.workers > 1 and current_world().size == 1:
-        return spawn_local(opts.workers, convert, dict(src=_local_folder(src), out=out, options=opts),
-                           warm=functools.partial(_warm_kernels, opts, _local_folder(src)))
+        shared = _shared_source(src)
+        return spawn_local(opts.workers, convert, dict(src=shared, out=out, options=opts),
+                           warm=functools.partial(_warm_kernels, opts, shared))
     t0 = time.perf_counter()
     world, out = current_world(), Path(out)
     rec, writer = load_recipe(opts.recipe), get_writer(opts.fmt)
     dev = _resolve_device(opts.device, world)
     choose_backend(opts.kernel, dev)  # refuse a kernel that cannot run here before any work
     if world.size > 1:
-        _local_folder(src)
+        _shared_source(src)
     plan = _plan(src, out, opts, rec, writer, world)
     _on_rank_0(world, lambda: _prepare_out(out, opts.resume))
     result = _run_ranks(plan, out, opts, dev, world)
@@ -840,7 +841,8 @@ def _run_ranks(plan: _Plan, out: Path, opts: ConvertOptions, dev: torch.device,
     """This rank's share of the output shards, then every rank's results merged (any rank's
     error raised on every rank)."""
     job = plan.job
-    mine = assign_shards({s: job.shard_bytes[s] for s in job.out_shards}, world.size)[world.rank]
+    shares = assign_shards({s: job.shard_bytes[s] for s in job.out_shards}, world.size)
+    mine = shares[world.rank]
     bar = tqdm(total=sum(job.shard_bytes[s] for s in mine), unit="B", unit_scale=True,
                desc="convert" if world.size == 1 else f"convert rank {world.rank}",
                disable=not opts.progress, position=world.rank)
@@ -848,6 +850,10 @@ def _run_ranks(plan: _Plan, out: Path, opts: ConvertOptions, dev: torch.device,
     def run_rank() -> _RankResult:
         bound_allocator(CONVERT_MMAP_THRESHOLD, one_arena=True)
         ledger = Ledger(out, plan.job_id, opts.resume, rank=world.rank if world.size > 1 else None)
+        source = job.source  # a Hub source starts downloading what this rank will read
+        todo = [s for s in mine if not ledger.is_done(s, _source_deps(source, job.decisions, s))]
+        source.files.will_read([source.read_order(x) for x in shares], world.rank,
+                               source.read_order(todo))
         return _convert_shards(job, mine, out, ledger, dev, opts.kernel, bar)
 
     if world.size == 1:
@@ -867,15 +873,21 @@ def _run_ranks(plan: _Plan, out: Path, opts: ConvertOptions, dev: torch.device,
     return _RankResult.merge(results, {"pre-flight": plan.seconds})
 
 
-def _local_folder(src: str | Path | Source) -> Path:
-    """The folder of a local source; several processes cannot share a streamed Hub source
-    (each would download and delete shards on its own)."""
+def _shared_source(src: str | Path | Source) -> Path | Source:
+    """What every worker opens: the folder of a local source, or a source whose shard files
+    coordinate several processes themselves (``files.shared``: a Hub stream, each rank
+    fetching what it reads into one cache), pickled to each worker."""
     if not isinstance(src, Source):
         return Path(src)
-    if type(src.files) is not ShardFiles or not src.has_data:
-        raise ValueError("several workers or ranks need a local source folder; download the "
-                         "checkpoint first (keep_source) and pass its folder")
-    return src.folder
+    if not src.has_data:
+        raise ValueError("several workers or ranks need a source with data, not a header-only "
+                         "descriptor")
+    if type(src.files) is ShardFiles:
+        return src.folder
+    if not getattr(src.files, "shared", False):
+        raise ValueError("several workers or ranks need a local source folder or a Hub source; "
+                         f"{type(src.files).__name__} cannot be shared between processes")
+    return src
 
 
 def _write_configs(plan: _Plan, out: Path, opts: ConvertOptions) -> tuple[list[str], list[str]]:

@@ -56,13 +56,21 @@ def check_free_disk(out: Path, out_bytes: int, files: ShardFiles) -> None:
 
     Needs ``out_bytes`` free under ``out`` and, for sources still to download, the two
     largest of ``files.to_fetch()`` under ``files.folder`` (the Hub cache); both on the same
-    filesystem when they share a device.
+    filesystem when they share a device. Tells ``files`` (``set_disk_budget``) how much free
+    disk its downloads may fill ahead of the converter: the free disk of the cache's
+    filesystem less the output's share of it.
 
     Raises:
         OutputError: with every number (needed, free, the paths) and what to change.
     """
     fetch = sorted(files.to_fetch().values())[-2:]
     fetch_bytes = sum(fetch)
+    limit = files.budget_limit
+    if limit is not None and fetch and limit < fetch_bytes:
+        raise OutputError(
+            f"a source budget of {_size(limit)} is less than the {len(fetch)} largest "
+            f"source shards to download ({_size(fetch_bytes)}): the converter holds a shard and "
+            "the next one it reads at once; raise --source-budget", key=str(files.folder))
     places = {}
     for path, need, what in ((out, out_bytes, f"output {_size(out_bytes)}"),
                              (files.folder, fetch_bytes,
@@ -75,8 +83,12 @@ def check_free_disk(out: Path, out_bytes: int, files: ShardFiles) -> None:
         spot = places.setdefault(dev, {"path": p, "need": 0, "what": []})
         spot["need"] += need
         spot["what"].append(what)
+        spot["fetch"] = spot.get("fetch", False) or path is files.folder
     for spot in places.values():
         free = shutil.disk_usage(spot["path"]).free
+        if spot.get("fetch"):
+            # what the read-ahead of a Hub source may fill: the free disk less the output
+            files.set_disk_budget(free - (spot["need"] - fetch_bytes))
         if free < spot["need"]:
             raise OutputError(
                 f"not enough free disk on the filesystem of {spot['path']}: need "

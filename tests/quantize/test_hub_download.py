@@ -83,7 +83,10 @@ def test_stream_within_two_shards_and_resume_after_kill(tmp_path):
         commit = hub.serve_folder(REPO, src, private=True, card_data={"license": "mit"})
         hub.watch = hf_home
         env = client_env(hub, hf_home, HF_TOKEN=TOKEN)
-        args = ["nvfp4", "--src", REPO, "--out", str(out), "--quiet", "--device", "cpu"]
+        # A source budget of the two largest shards: shard 3 is fetched only once shard 1 is
+        # converted and deleted.
+        args = ["nvfp4", "--src", REPO, "--out", str(out), "--quiet", "--device", "cpu",
+                "--source-budget", str(two_largest)]
         # Run 1 is killed (SIGKILL, no cleanup) when it asks for shard 3: shard 1 is converted,
         # shard 2 was fetched as shard 1's partner and is not converted yet.
         rc, _, err = run_quantize(args, env, hub,
@@ -260,4 +263,124 @@ def test_resume_reuses_only_amax_of_unchanged_source_shards(tmp_path):
     ref = tmp_path / "ref"
     convert(src, ref, progress=False, device="cpu")
     for name in SHARDS:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+# A child process (the environment of a user pointed at the local Hub) that opens the Hub
+# source with a source budget, converts it, and prints the fetcher's trace. Before each
+# release it waits until the read-ahead is idle (blocked on the budget or done), so the trace
+# shows how far ahead the budget let it go without any timing. A second read of a downloaded
+# shard to hash it would call sha256_file: it raises here.
+_CHILD = """
+import json, sys
+from pathlib import Path
+import quantize.hub.download as d
+from quantize.convert.pipeline import convert
+
+def no_second_read(p):
+    raise AssertionError(f"second read of {p} to hash it")
+
+d.sha256_file = no_second_read
+source, info, files = d.open_hub_source(sys.argv[1], Path(sys.argv[2]), budget=int(sys.argv[3]))
+release = files.release
+def release_when_idle(shard):
+    assert files.idle.wait(120), "the read-ahead never went idle"
+    release(shard)
+files.release = release_when_idle
+convert(source, sys.argv[2], progress=False, device="cpu", source_info=info)
+print(json.dumps({"trace": files.trace, "budget": files.budget, "peak": files.peak_bytes}))
+"""
+
+
+def _child(hub: FakeHub, hf_home: Path, out: Path, budget: int) -> dict:
+    env = client_env(hub, hf_home, HF_TOKEN=TOKEN)
+    r = subprocess.run([sys.executable, "-c", _CHILD, REPO, str(out), str(budget)], env=env,
+                       capture_output=True, text=True, timeout=240, check=False,
+                       cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_read_ahead_fills_the_budget_and_hashes_the_stream(tmp_path):
+    src = layered_fp8(tmp_path / "src")
+    size = {s: (src / s).stat().st_size for s in SHARDS}
+    budget = size[SHARDS[0]] + size[SHARDS[1]] + size[SHARDS[2]]  # three shards, not four
+    assert budget < sum(size.values()) and budget - size[SHARDS[0]] + size[SHARDS[3]] > budget
+    hf_home, out = tmp_path / "hf", tmp_path / "out"
+    with FakeHub(token=TOKEN) as hub:
+        hub.serve_folder(REPO, src, private=True)
+        got = _child(hub, hf_home, out, budget)
+        assert _full_gets(hub.log) == SHARDS  # each shard downloaded once, in stream order
+    assert got["budget"] == budget
+    s1, s2, s3, s4 = SHARDS
+    # Shards 1-3 are downloaded before the converter lets go of shard 1 (three ahead of a
+    # converter that holds two); shard 4 does not fit until shard 2 is deleted too.
+    events = [(e, s) for e, s, _ in got["trace"]]
+    assert events == [("start", s1), ("done", s1), ("start", s2), ("done", s2), ("start", s3),
+                      ("done", s3), ("delete", s1), ("delete", s2), ("start", s4), ("done", s4),
+                      ("delete", s3), ("delete", s4)]
+    held = [h for _, _, h in got["trace"]]
+    assert max(held) == budget and got["peak"] == budget  # within the budget, and all of it
+    assert held[-1] == 0
+    sha = {hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
+    assert not sha & {p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir()}
+    ref = tmp_path / "ref"
+    convert(src, ref, progress=False, device="cpu")
+    for name in SHARDS:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def test_corrupt_byte_is_fetched_again_then_named(tmp_path):
+    src = layered_fp8(tmp_path / "src")
+    sha = hashlib.sha256((src / SHARDS[1]).read_bytes()).hexdigest()
+    hf_home = tmp_path / "hf"
+    with FakeHub(token=TOKEN) as hub:
+        hub.serve_folder(REPO, src, private=True)
+        env = client_env(hub, hf_home, HF_TOKEN=TOKEN)
+        args = ["nvfp4", "--src", REPO, "--quiet", "--device", "cpu"]
+        # One flipped byte in shard 2 and a connection dropped in shard 1: the stream's hash
+        # catches the byte and shard 2 is downloaded again; shard 1 resumes with a range.
+        hub.corrupt = [{"path": SHARDS[1], "offset": 300_000, "times": 1}]
+        hub.drop = [{"path": SHARDS[0], "after": 200_000, "times": 1}]
+        rc, _, err = run_quantize(args + ["--out", str(tmp_path / "o1")], env, hub)
+        assert rc == 0, err
+        assert _full_gets(hub.log) == [SHARDS[0], SHARDS[1], SHARDS[1], SHARDS[2], SHARDS[3]]
+        header_probe = "bytes=0-100000"  # huggingface_hub's safetensors header read
+        assert [e["range"] for e in hub.log if e.get("file") == SHARDS[0] and e.get("bytes")
+                and e["range"] != header_probe] == [None, "bytes=200000-"]
+        assert f"shard {SHARDS[1]}: sha256 of the received bytes is " in err  # the warning
+        ref = tmp_path / "ref"
+        convert(src, ref, progress=False, device="cpu")
+        for name in SHARDS:
+            assert (tmp_path / "o1" / name).read_bytes() == (ref / name).read_bytes(), name
+        # The same byte flipped twice in a row: a clear error naming the shard, nothing kept.
+        hub.corrupt = [{"path": SHARDS[1], "offset": 300_000, "times": 2}]
+        rc, _, err = run_quantize(args + ["--out", str(tmp_path / "o2")], env, hub)
+        assert rc == 1
+        assert (f"shard {SHARDS[1]} of {REPO}@" in err and f"sha256 differs from the Hub's LFS "
+                f"sha256 {sha}" in err and "twice in a row); deleted it, run again to download "
+                "it afresh" in err), err
+        blobs = hf_home / "hub/models--org--tiny-fp8/blobs"
+        assert not [p for p in blobs.iterdir() if p.name.startswith(sha)]
+
+
+def test_two_workers_from_the_hub_equal_a_local_build(tmp_path):
+    src = layered_fp8(tmp_path / "src")
+    hf_home, out = tmp_path / "hf", tmp_path / "out"
+    with FakeHub(token=TOKEN) as hub:
+        hub.serve_folder(REPO, src, private=True)
+        env = client_env(hub, hf_home, HF_TOKEN=TOKEN)
+        rc, stdout, err = run_quantize(["nvfp4", "--src", REPO, "--out", str(out), "--quiet",
+                                        "--device", "cpu", "--workers", "2"], env, hub)
+        assert rc == 0, err
+        # Both ranks read the shards they share (a partner) from one copy in the cache: every
+        # shard is downloaded exactly once, and every one is deleted at the end.
+        assert sorted(_full_gets(hub.log)) == SHARDS
+    assert "deleted after use" in stdout
+    sha = {hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
+    assert not sha & {p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir()}
+    assert not list(out.glob(".spark-quant-hub*"))
+    ref = tmp_path / "ref"
+    convert(src, ref, progress=False, device="cpu")
+    for name in [*SHARDS, "config.json", "model.safetensors.index.json"]:
         assert (out / name).read_bytes() == (ref / name).read_bytes(), name
