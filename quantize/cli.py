@@ -586,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--workers", type=_auto_or(_int_at_least(1)), default="auto",
                    help="processes on this machine, shards divided among them, each owning "
                         "cores / N cores (under torchrun the ranks divide the shards instead). "
-                        "auto (default): on CPU, min(cores / 2, shards, source GiB / 2, "
+                        "auto (default): on CPU, min(cores / 16, shards, source GiB / 2, "
                         "(available memory - 2 GiB) / (1 GiB + 3 x the largest shard)), at "
                         "least 1; 1 on a GPU or for a streamed Hub source")
     n.add_argument("--resume", action="store_true",

@@ -38,6 +38,9 @@ __all__ = ["MIN_BYTES_PER_WORKER", "World", "assign_shards", "available_memory",
 TIMEOUT = timedelta(hours=24)
 """How long a rank waits for the others (a rank with little work waits for the slowest)."""
 
+CORES_PER_WORKER = 16
+"""Cores one ``--workers auto`` worker saturates the disk with (see :func:`default_workers`)."""
+
 MIN_BYTES_PER_WORKER = 2 * 2**30
 """The default worker count gives each worker at least this much source: starting a worker
 (torch import, loading the compiled kernels) costs seconds, more than a small checkpoint takes."""
@@ -132,10 +135,13 @@ def available_memory() -> int | None:
 
 def default_workers(cores: int, memory: int | None, shard_bytes: list[int]) -> int:
     """The worker count ``--workers auto`` uses for a CPU conversion:
-    ``min(cores // 2, shards, source bytes // 2 GiB, (memory - 2 GiB) // (1 GiB + 3 x the largest
+    ``min(cores // 16, shards, source bytes // 2 GiB, (memory - 2 GiB) // (1 GiB + 3 x the largest
     shard))``, at least 1.
 
-    Two cores a worker: its reader's kernel (block amax) and its quantizer's (codes) run at once.
+    :data:`CORES_PER_WORKER` (16) cores a worker: measured on the H200 machine's 16 cores
+    (``scripts/bench_convert.py --device cpu --size-gb 2.4``, 2026-12-01), one process with its
+    16 OpenMP threads converts at 0.633 G elements/s, 0.96x a plain read + write of the same
+    bytes, so a further worker on those cores can only add its start-up.
     One shard at least a worker (workers divide the shards). :data:`MIN_BYTES_PER_WORKER` of
     source a worker, so a small checkpoint stays in one process. A worker holds about three
     source shards' worth of tensors in flight (queued, in hand, being written) plus
@@ -147,7 +153,7 @@ def default_workers(cores: int, memory: int | None, shard_bytes: list[int]) -> i
     """
     if not shard_bytes:
         return 1
-    n = min(cores // 2, len(shard_bytes), sum(shard_bytes) // MIN_BYTES_PER_WORKER)
+    n = min(cores // CORES_PER_WORKER, len(shard_bytes), sum(shard_bytes) // MIN_BYTES_PER_WORKER)
     if memory is not None:
         n = min(n, (memory - 2 * 2**30) // (WORKER_BASE_BYTES + 3 * max(shard_bytes)))
     return max(1, int(n))

@@ -127,14 +127,15 @@ def test_core_slices_and_worker_env():
 def test_default_workers_rule():
     gib = 2**30
     shards = [5 * gib] * 64  # 320 GiB in 5 GiB shards
-    assert default_workers(16, 256 * gib, shards) == 8  # cores // 2
-    assert default_workers(16, 128 * gib, shards) == 7  # (128 - 2) // (1 + 3 x 5) GiB
-    assert default_workers(16, 128 * gib, [300 * 10**6] * 15) == 2  # 4.5 GB // 2 GiB
-    assert default_workers(16, None, shards[:3]) == 3  # one shard a worker at least
-    assert default_workers(16, None, [gib] * 5) == 2  # 2 GiB of source a worker
+    assert default_workers(16, 256 * gib, shards) == 1  # one process saturates 16 cores' disk
+    assert default_workers(128, 512 * gib, shards) == 8  # cores // 16
+    assert default_workers(128, 128 * gib, shards) == 7  # (128 - 2) // (1 + 3 x 5) GiB
+    assert default_workers(128, 128 * gib, [300 * 10**6] * 15) == 2  # 4.5 GB // 2 GiB
+    assert default_workers(128, None, shards[:3]) == 3  # one shard a worker at least
+    assert default_workers(128, None, [gib] * 5) == 2  # 2 GiB of source a worker
     assert default_workers(2, None, shards) == 1
-    assert default_workers(16, 128 * gib, [100 * 2**20] * 4) == 1  # a small checkpoint
-    assert default_workers(16, gib, shards) == 1 and default_workers(16, None, []) == 1
+    assert default_workers(128, 128 * gib, [100 * 2**20] * 4) == 1  # a small checkpoint
+    assert default_workers(128, gib, shards) == 1 and default_workers(16, None, []) == 1
 
 
 def test_torchrun_gloo_two_ranks_write_the_single_process_build(moe, tmp_path):
