@@ -84,7 +84,7 @@ def test_identity_hessian_and_fallback_rows_are_rtn_exactly():
 
 
 def test_dead_input_channel_keeps_its_weight_and_batches_are_independent():
-    w, x, h = _problem()
+    w, _, h = _problem()
     h[5, :] = 0
     h[:, 5] = 0  # no token ever reached channel 5
     g = global_scale_from_amax(w.abs().amax())
@@ -138,7 +138,7 @@ def _read(folder):
 def test_dense_build_takes_gptq_results_with_shared_global_scales(llama, tmp_path):
     from formats.sources import open_source
 
-    root, src = llama
+    _, src = llama
     work = tmp_path / "w"
     run = run_gptq(src, _calib(), work, progress=False)
     assert run.fallback == {} and len(run.gptq) == 14  # 7 Linears x 2 layers
@@ -208,7 +208,7 @@ def test_moe_fixture_end_to_end_with_expert_fallback(tmp_path):
         assert tokens < expert_min_tokens(k)
         grp = [mod.rsplit(".", 1)[0] + f".{p}" for p in ("gate_proj", "up_proj")] if "down" not in mod else [mod]
         amax = max(float(source.read(m + ".weight").abs().amax()) for m in grp)
-        rp, rs = quantize_nvfp4(source.read(mod + ".weight"), global_scale_from_amax(amax))
+        rp, _ = quantize_nvfp4(source.read(mod + ".weight"), global_scale_from_amax(amax))
         assert torch.equal(t[f"{mod}.weight_packed"], rp)
     gptqd = [m[: -len(".weight_packed")] for m in t if m.endswith(".weight_packed")
              and ".experts." in m and m[: -len(".weight_packed")] not in fallback]
