@@ -84,12 +84,14 @@ def work_folder(out: str | Path) -> Path:
 
 @dataclass
 class GPTQRun:
-    """What :func:`run_gptq` did: the work folder, modules GPTQ'd / on the fallback, and
-    wall seconds per stage (capture, load, hessians, solve, propagate, write)."""
+    """What :func:`run_gptq` did: the work folder, modules GPTQ'd / on the fallback (with
+    their routed tokens), Linears that shared another's Hessian (same input tensor), and wall
+    seconds per stage (capture, load, hessians, solve, propagate, write)."""
 
     work: Path
     gptq: list[str] = field(default_factory=list)
     fallback: dict[str, int] = field(default_factory=dict)
+    shared: dict[str, str] = field(default_factory=dict)  # Linear -> the one whose Hessian it uses
     seconds: dict[str, float] = field(default_factory=dict)
     layers: list[int] = field(default_factory=list)
 
@@ -332,6 +334,7 @@ def run_gptq(src: str | Path, calib: CalibSet, work: str | Path, *, fmt: str = "
                         hooks.next_sample()
                         model.run_layer(layer, [hidden[s]], [kwargs[s]], [dict(carried[s])])
                 owners = hooks.owners()
+                run.shared.update({d: o for d, o in owners.items() if d != o})
                 t = run.add("hessians", t)
                 jobs = []
                 by_owner: dict[str, list[str]] = {}

@@ -441,7 +441,8 @@ class _Reader:
 
     def prepare(self, name: str) -> Prepared:
         source, job = self.job.source, self.job
-        if job.scales != "rtn":
+        gptq = job.gptq is not None and job.modules[name] in job.gptq.modules  # only its amax is needed
+        if job.scales != "rtn" and not gptq:
             w = self._load(name, nvfp4=True)
             cw = job.channel_weight.get(job.modules[name]) if job.scales == "mse-act" else None
             return _Searched(w.to(self.device), float(self._amax[name]), cw)

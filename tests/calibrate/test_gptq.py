@@ -142,6 +142,10 @@ def test_dense_build_takes_gptq_results_with_shared_global_scales(llama, tmp_pat
     work = tmp_path / "w"
     run = run_gptq(src, _calib(), work, progress=False)
     assert run.fallback == {} and len(run.gptq) == 14  # 7 Linears x 2 layers
+    # Linears fed the very same input share its first reader's Hessian
+    assert run.shared == {f"model.layers.{i}.{m}": f"model.layers.{i}.{o}" for i in (0, 1)
+                          for m, o in (("self_attn.k_proj", "self_attn.q_proj"), ("self_attn.v_proj", "self_attn.q_proj"),
+                                       ("mlp.up_proj", "mlp.gate_proj"))}
     out = tmp_path / "b"
     convert(src, out, gptq=work, progress=False, device="cpu")
     t, res, source = _read(out), GPTQResults(work), open_source(src)
