@@ -225,23 +225,30 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
                   f"the build is kept as it is; `quantize verify {out}` checks it, and a new "
                   "build needs an empty --out")
         return 0
-    if args.method == "gptq":
-        from calibrate.gptq import convert_gptq
-
-        if not args.dataset or args.scheme != "w4a16" or not isinstance(src, Path):
-            raise SparkQuantError("--method gptq needs a local --src and --dataset, and runs --scheme w4a16 only")
-        convert_gptq(src, out, dataset=args.dataset, samples=args.samples, seq_len=args.seq_len,
-                     python=args.gptq_python)
-        print(f"wrote {out} (GPTQ NVFP4A16 through llm-compressor)")
-        return 0
+    if args.method == "gptq" and current_world().size > 1:
+        raise SparkQuantError("--method gptq runs in one process (use --workers for the conversion "
+                              "after it), not under torchrun")
+    if args.method == "gptq" and not isinstance(src, Path):
+        raise SparkQuantError("--method gptq needs a local --src folder (the GPTQ pass reads the source "
+                              "layer by layer before the conversion streams it)")
+    if args.method != "gptq" and (args.dataset or args.act_order or args.damp is not None):
+        raise SparkQuantError("--dataset, --damp and --act-order are options of --method gptq")
+    options = {"scheme": args.scheme, "fmt": args.format, "recipe": _recipe_name(args.recipe, src),
+               "device": args.device, "resume": args.resume, "progress": not args.quiet,
+               "source_info": info, "tp": args.tp, "engine": args.engine,
+               "calibration": args.calibration, "kv_cache": args.kv_cache, "scales": args.scales,
+               "min_expert_tokens": args.min_expert_tokens, "kernel": args.kernel,
+               "workers": args.workers, "allow_unknown_arch": args.allow_unknown_arch}
     try:
-        summary = convert(src, out, scheme=args.scheme, fmt=args.format,
-                          recipe=_recipe_name(args.recipe, src),
-                          device=args.device, resume=args.resume, progress=not args.quiet,
-                          source_info=info, tp=args.tp, engine=args.engine,
-                          calibration=args.calibration, kv_cache=args.kv_cache, scales=args.scales,
-                          min_expert_tokens=args.min_expert_tokens, kernel=args.kernel,
-                          workers=args.workers, allow_unknown_arch=args.allow_unknown_arch)
+        if args.method == "gptq":
+            from calibrate.gptq import DEFAULT_DAMP, convert_gptq
+
+            _need("--method gptq", "transformers")
+            summary = convert_gptq(src, out, dataset=args.dataset, samples=args.samples,
+                                   seq_len=args.seq_len, damp=DEFAULT_DAMP if args.damp is None else args.damp,
+                                   act_order=args.act_order, **options)
+        else:
+            summary = convert(src, out, **options)
     except (SparkQuantError, KeyboardInterrupt) as e:
         hint = resume_hint(out)
         if hint:
@@ -563,12 +570,16 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--min-expert-tokens", type=_int_at_least(0), default=None,
                    help="experts with fewer calibration tokens use the layer max (default 8)")
     n.add_argument("--method", default="stream", choices=["stream", "gptq"],
-                   help="stream: this converter; gptq: GPTQ through llm-compressor in its own "
-                        "environment (models that fit in memory; see calibrate/gptq.py)")
+                   help="stream: round-to-nearest / --scales per block; gptq: GPTQ of the decoder "
+                        "layers' NVFP4 Linears first, layer by layer (calibrate/gptq.py), then the "
+                        "same conversion; needs --dataset, or --calibration STATS to rebuild its set")
     n.add_argument("--dataset", help="--method gptq: calibration set (as for calibrate)")
     n.add_argument("--samples", type=_int_at_least(1), default=128, help="--method gptq: calibration samples")
     n.add_argument("--seq-len", type=_int_at_least(1), default=512, help="--method gptq: tokens per sample")
-    n.add_argument("--gptq-python", help="--method gptq: python of the llm-compressor environment")
+    n.add_argument("--damp", type=float, default=None,
+                   help="--method gptq: damping, fraction of the mean Hessian diagonal (default 0.01)")
+    n.add_argument("--act-order", action="store_true",
+                   help="--method gptq: quantize 16-column groups by decreasing Hessian diagonal")
     n.add_argument("--format", default=FORMATS[0], choices=FORMATS,
                    help="output layout: compressed-tensors (vLLM / transformers) or modelopt "
                         "(hf_quant_config.json; vLLM / SGLang / TRT-LLM)")

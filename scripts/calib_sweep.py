@@ -9,9 +9,10 @@ calibration set excludes those files). W4A4 builds run their activation quantiza
 CPU through ``eval.w4a4``.
 
 Two tables, one run:
-- ``methods``: one calibration set, W4A16 with RTN / ``mse`` / ``mse-act`` scales (and
-  ``gptq`` when ``--gptq-python`` points at an environment with llm-compressor), W4A4 with
-  RTN / ``mse-act``: each a full build, converted and reloaded.
+- ``methods``: one calibration set, W4A16 with RTN / ``mse`` / ``mse-act`` scales and our
+  GPTQ (``calibrate.gptq``; and the peer's, ``gptq-peer``, when ``--gptq-python`` points at
+  an environment with llm-compressor, scripts/peer_gptq.py), W4A4 with RTN / ``mse-act``:
+  each a full build, converted and reloaded.
 - ``sweep``: W4A4 (RTN weights) calibrated on each ``--datasets`` x ``--samples``.
 
 A W4A4 build's weights are byte-identical to the W4A16 build's with the same block scales
@@ -163,7 +164,7 @@ def run_variant(src: Path, work: Path, scorer: Scorer, v: dict, stats_cache: dic
 
     t0 = time.perf_counter()
     stats_dir = None
-    if v.get("dataset") and v["scales"] != "gptq":  # GPTQ calibrates inside llm-compressor
+    if v.get("dataset") and not v["scales"].startswith("gptq"):  # GPTQ runs its own calibration
         key = (v["dataset"], v["samples"])
         if key not in stats_cache:
             stats_dir = work / f"stats-{v['dataset']}-{v['samples']}"
@@ -184,7 +185,12 @@ def run_variant(src: Path, work: Path, scorer: Scorer, v: dict, stats_cache: dic
         from calibrate.gptq import convert_gptq
 
         convert_gptq(src, build, dataset=v["dataset"], samples=v["samples"], seq_len=args.seq_len,
-                     seed=args.seed, python=args.gptq_python)
+                     seed=args.seed, progress=False, device=args.device)
+    elif v["scales"] == "gptq-peer":
+        from peer_gptq import peer_gptq
+
+        peer_gptq(src, build, dataset=v["dataset"], samples=v["samples"], seq_len=args.seq_len,
+                  seed=args.seed, python=args.gptq_python)
     else:
         convert(src, build, scheme=v["scheme"], scales=v["scales"], calibration=stats_dir,
                 progress=False, device=args.device)
@@ -262,7 +268,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="device for calibration and conversion")
     p.add_argument("--only", default="", help="comma list of variant names to run (default all)")
     p.add_argument("--gptq-python", default=os.environ.get("SPARK_QUANT_GPTQ_PYTHON"),
-                   help="python of an environment with llm-compressor (adds a GPTQ row)")
+                   help="python of an environment with llm-compressor (adds the peer's GPTQ row)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -282,8 +288,10 @@ def main(argv=None) -> int:
             dict(table="methods", name="w4a16-mse", scheme="w4a16", scales="mse"),
             dict(table="methods", name="w4a16-mse-act", scheme="w4a16", scales="mse-act", dataset=md, samples=ms),
             dict(table="methods", name="w4a4-mse-act", scheme="w4a4", scales="mse-act", dataset=md, samples=ms)]
+        variants.append(dict(table="methods", name="w4a16-gptq", scheme="w4a16", scales="gptq",
+                             dataset=md, samples=ms))
         if args.gptq_python:
-            variants.append(dict(table="methods", name="w4a16-gptq", scheme="w4a16", scales="gptq",
+            variants.append(dict(table="methods", name="w4a16-gptq-peer", scheme="w4a16", scales="gptq-peer",
                                  dataset=md, samples=ms))
     if args.only:
         variants = [v for v in variants if v["name"] in args.only.split(",")]

@@ -46,6 +46,7 @@ from formats.checkpoint import (
     write_index,
     write_json_atomic,
 )
+from formats.gptq_results import GPTQResults
 from formats.manifest import (
     CHECK_STATS_NAME,
     MANIFEST_NAME,
@@ -281,6 +282,10 @@ class ConvertOptions:
         allow_unknown_arch: convert a ``model_type`` the architecture map does not know,
             planned from tensor names alone (pre-flight refuses it otherwise; the assumption is
             a note of the summary and the manifest).
+        gptq: a GPTQ work folder (``formats.gptq_results``, written by ``calibrate.gptq``):
+            its NVFP4 tensors are written for those modules instead of quantizing, after
+            checking that each one's scalar equals what its fused group gets from the source;
+            every other tensor is converted as always.
     """
 
     scheme: str = "w4a16"
@@ -299,6 +304,7 @@ class ConvertOptions:
     kernel: str = "auto"
     workers: int = 1
     allow_unknown_arch: bool = False
+    gptq: "str | Path | None" = None
 
 
 @dataclass
@@ -319,6 +325,7 @@ class _Job:
     input_amax: dict[str, float] = field(default_factory=dict)  # W4A4, by module
     kv_tensors: dict[str, dict] = field(default_factory=dict)  # KV scales, by the tensor they follow
     clock: StageClock = field(default_factory=StageClock)
+    gptq: GPTQResults | None = None  # results taken instead of quantizing, by module
 
 
 @dataclass
@@ -363,6 +370,26 @@ class _RankResult(NamedTuple):
         return cls(sum(r.written for r in results), sum(r.skipped for r in results),
                    sum(r.elements for r in results), {k: v for r in results for k, v in r.digests.items()},
                    {k: v for r in results for k, v in r.stats.items()}, seconds, cpu)
+
+
+class _FromGPTQ(Prepared):
+    """NVFP4 tensors of one module from a GPTQ work folder; ``quantize(scalar)`` returns them
+    after checking that ``scalar`` (the fused group's, from the source) is the one they were
+    made with."""
+
+    def __init__(self, name: str, amax: torch.Tensor, results: GPTQResults, module: str):
+        self.name, self.amax, self.results, self.module = name, amax, results, module
+
+    def quantize(self, scalar):
+        packed, block_scale, stored = self.results.get(self.module)
+        same = stored.shape == scalar.shape and torch.equal(stored.view(torch.int32),
+                                                            scalar.to(torch.float32).view(torch.int32))
+        if not same:
+            raise CalibrationError(
+                f"GPTQ result of {self.name} was made with NVFP4 scalar {stored.flatten().tolist()}, "
+                f"but its tensor / fused group gets {scalar.flatten().tolist()} from the source: the "
+                "work folder is of another source or fused-group rule", tensor=self.name)
+        return packed, block_scale
 
 
 _SKIPPED = object()  # a shard the ledger has as finished
@@ -418,9 +445,11 @@ class _Reader:
 
     def prepare(self, name: str) -> Prepared:
         source, job = self.job.source, self.job
-        search = {"candidates": METHOD_CANDIDATES[job.scales],
+        gptq = job.gptq is not None and job.modules[name] in job.gptq.modules  # only its amax is needed
+        method = "rtn" if gptq else job.scales
+        search = {"candidates": METHOD_CANDIDATES[method],
                   "channel_weight": job.channel_weight.get(job.modules[name])
-                  if job.scales == "mse-act" else None}
+                  if method == "mse-act" else None}
         backend = choose_backend(self.kernel, self.device, source.tensors[name].numel)
         with job.clock("read"):
             fp8 = source.read_fp8(name)
@@ -486,6 +515,9 @@ class _Reader:
                     group = [m + ".weight" for m in d.members] or [t.name]
                     here = [n for n in group if source.tensors[n].shard == shard]
                     preps = {n: self.prepare(n) for n in here}
+                    if job.gptq is not None:
+                        preps = {n: _FromGPTQ(n, p.amax, job.gptq, job.modules[n])
+                                 if job.modules[n] in job.gptq.modules else p for n, p in preps.items()}
                     amax = torch.stack([self.amax(n) for n in group]).amax()
                     for n in here:
                         done.add(n)
@@ -798,6 +830,12 @@ def _plan(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType, world: 
                "tp": opts.tp, "engine": opts.engine}
     if stats is not None or opts.kv_cache or opts.scales != "rtn":
         options.update(kv_cache=opts.kv_cache, scales=opts.scales, calibration_sha256=calib.sha256)
+    gptq = _gptq_results(opts.gptq, decisions, writer) if opts.gptq is not None else None
+    if gptq is not None:
+        options.update(method="gptq", gptq_sha256=gptq.sha256, gptq={
+            **{k: gptq.meta.get(k) for k in ("damp", "act_order", "block", "scales", "min_tokens", "layers")},
+            "calibration": gptq.meta.get("calibration"), "modules": len(gptq.modules),
+            "fallback": gptq.fallback})
     job_id = fingerprint({"tool": __version__, "options": options, "headers": headers,
                           "decisions": {n: d.target.value for n, d in decisions.items()},
                           "source": opts.source_info or {}})
@@ -807,10 +845,34 @@ def _plan(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType, world: 
     out_shards = [s for s in source.shards if any(t.name not in skip for t in source.tensors_in(s))]
     job = _Job(source, decisions, {n: module_of(n) for n in decisions}, pre.predicted, skip, writer,
                out_shards, shard_bytes, opts.scales, stats.channel_sq_mean if stats else {},
-               input_amax, kv_tensors)
+               input_amax, kv_tensors, gptq=gptq)
     counts = Counter(d.target.value for n, d in decisions.items() if n not in skip)
     record = calibration_record(stats, calib.sha256, calib.min_tokens) if stats is not None else None
     return _Plan(job, headers, options, job_id, counts, notes, tied, record, t_plan)
+
+
+def _gptq_results(path, decisions: dict[str, Decision], writer: ModuleType) -> GPTQResults:
+    """Open a GPTQ work folder and check it against the plan.
+
+    Raises:
+        CalibrationError: unreadable or incomplete folder; results made in another
+            arithmetic order than this output format's; a module the plan does not make NVFP4.
+    """
+    try:
+        res = GPTQResults(path)
+    except ValueError as e:
+        raise CalibrationError(str(e), key=str(path)) from None
+    if res.order != writer.NVFP4_ORDER:
+        raise CalibrationError(f"GPTQ results {path} were made in the {res.order!r} NVFP4 order; this "
+                               f"output format needs {writer.NVFP4_ORDER!r}: rerun --method gptq with this --format",
+                               key=str(path))
+    for m in res.modules:
+        d = decisions.get(m + ".weight")
+        if d is None or d.target is not Target.NVFP4:
+            what = "is not in the source" if d is None else f"is planned as {d.target.value}"
+            raise CalibrationError(f"GPTQ results {path} hold {m}, which {what}: GPTQ ran with another "
+                                   "recipe or source", tensor=m + ".weight")
+    return res
 
 
 def _plan_notes(pre, calib: "_Calibration", skip: set[str]) -> tuple[list[str], bool]:

@@ -232,6 +232,12 @@ def _sample(build: Path, writer, manifest: dict, infos: dict[str, TensorInfo],
             source: Source | None, rows: int, rep: VerifyReport) -> None:
     reader = ShardReader(build, max_open=2)
     skipped = 0
+    # GPTQ moves weights by design beyond one rounding step of the source: its NVFP4 tensors
+    # are checked for NaN scales and a finite global scale only (docs/gptq.md)
+    gptq = manifest.get("options", {}).get("method") == "gptq"
+    if gptq and source is not None:
+        rep.add("info", "sample", "GPTQ build: NVFP4 samples are not compared with the source's "
+                "rounding bound (GPTQ moves weights to cut the output error, not the weight error)")
     try:
         for name, target in sorted(manifest.get("targets", {}).items()):
             names = list(_expected(writer, name, target, infos))
@@ -250,7 +256,7 @@ def _sample(build: Path, writer, manifest: dict, infos: dict[str, TensorInfo],
                 span = (r, r + 1) if r is not None else None
                 if target == "nvfp4":
                     _sample_nvfp4(reader, writer, name, names, infos, r,
-                                  source if compare else None, rep)
+                                  source if compare and not gptq else None, rep)
                     continue
                 got = reader.get(infos[name].shard, name, rows=span)
                 if got.is_floating_point() and not torch.isfinite(got).all():
