@@ -486,6 +486,7 @@ def test_check_uses_the_engine_and_tp_the_manifest_records(tiny_fp8_llama, tmp_p
     bare = tmp_path / "bare"  # a build without its manifest (another tool's): the defaults, said
     shutil.copytree(out, bare)
     (bare / "spark_quant_manifest.json").unlink()
+    (bare / ".spark-quant-stats.json").unlink()  # nor our converter's scale counts
     assert run(capsys, "check", bare)[:2] == (
         0, f"{bare}: 0 error(s), 0 warning(s) for vllm TP=1 (default engine and TP: no "
            "spark_quant_manifest.json records them)\n")

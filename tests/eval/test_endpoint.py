@@ -71,7 +71,8 @@ def test_eval_through_an_openai_compatible_server(served, demo_build, tmp_path):
     assert "gsm8k.flexible-extract.drop" not in r["gate"]["skipped"]
     assert "No baseline" not in (out / "report.md").read_text()
     assert r["backend"] == {**r["backend"], "build": "endpoint", "endpoint": served, "device": "endpoint"}
-    assert r["backend"]["endpoint_model"] == str(demo_build)  # first id of GET /v1/models
+    # first id of GET /v1/models (the served folder), published as its name, never a local path
+    assert r["backend"]["endpoint_model"] == demo_build.name
     g = r["suites"]["gsm8k"]
     assert g["build"]["n"] == 2 and g["settings"]["chat_template"]
     rows = [json.loads(x) for x in (out / "gsm8k_samples.jsonl").read_text().splitlines()]

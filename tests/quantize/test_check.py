@@ -500,7 +500,8 @@ def test_nan_planted_after_the_build_is_caught(tmp_path, fmt, capsys):
     assert capsys.readouterr().out.splitlines() == [
         f"ERROR [scale] {name}: 1 NaN e4m3 byte(s) (0x7F/0xFF) (FC-11)",
         f"note: scales of 1 shard(s) read from the files: {reads.problem}",
-        f"{build}: 1 error(s), 0 warning(s) for vllm TP=1"]
+        f"{build}: 1 error(s), 0 warning(s) for vllm TP=1 (engine and TP as spark_quant_manifest.json "
+        "records; --engine / --tp check another)"]
 
 
 def test_converter_garbage_scale_fails_the_build_from_its_counts(tmp_path, monkeypatch):

@@ -266,8 +266,8 @@ def test_auto_workers_keeps_small_gpu_and_streamed_sources_in_one_process(moe, m
     src, _ = moe
     assert _auto_workers(src, "cpu", "auto") == 1  # 4 small shards: under 2 GiB a worker
     monkeypatch.setattr("quantize.convert.parallel.MIN_BYTES_PER_WORKER", 1)
-    monkeypatch.setattr("quantize.convert.parallel.usable_cores", lambda: list(range(16)))
-    assert _auto_workers(src, "cpu", "auto") == 4  # one shard a worker at most
+    monkeypatch.setattr("quantize.convert.parallel.usable_cores", lambda: list(range(128)))
+    assert _auto_workers(src, "cpu", "auto") == 4  # one shard a worker at most (128 cores: 8)
     assert _auto_workers(src, "cuda", "auto") == 1 and _auto_workers(src, "cpu", "triton") == 1
     assert _auto_workers("org/repo", "cpu", "auto") == 1  # a Hub source streams in one process
     monkeypatch.setenv("WORLD_SIZE", "2")
