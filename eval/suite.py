@@ -41,6 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from formats.manifest import EVAL_FOLDER
 from quantize import archs
 
 __all__ = ["SUITES", "ARTIFACTS", "EvalOptions", "Preflight", "preflight", "run_eval"]
@@ -481,7 +482,7 @@ def _start(build, baseline, opts: EvalOptions, baseline_endpoint: str | None) ->
 
         pk_prompts = make_prompts(tok, pre.lengths, list(opts.passkey_depths), opts.passkey_trials,
                                   opts.passkey_filler, opts.seed)
-    out = Path(opts.out) if opts.out else pre.build / "eval"
+    out = Path(opts.out) if opts.out else pre.build / EVAL_FOLDER
     if out.is_dir():
         _clear_previous(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -51,12 +51,15 @@ from formats.shards import is_temp_name, sha256_file
 from quantize.base.errors import OutputError
 from quantize.base.redact import redact_obj, unlocal_obj
 
-__all__ = ["MANIFEST_NAME", "PROGRESS_NAME", "CHECK_STATS_NAME", "Ledger", "file_identity",
+__all__ = ["EVAL_FOLDER", "MANIFEST_NAME", "PROGRESS_NAME", "CHECK_STATS_NAME", "Ledger", "file_identity",
            "write_check_stats", "load_check_stats", "fingerprint", "has_ledger",
            "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint", "source_path",
            "recorded_source"]
 
 MANIFEST_NAME = "spark_quant_manifest.json"
+EVAL_FOLDER = "eval"
+"""The folder ``quantize eval BUILD`` writes its report into by default (``BUILD/eval``): made
+after the build, so not in its manifest; ``quantize verify`` reads past it and says so."""
 PROGRESS_NAME = ".spark-quant-progress.json"
 _PROGRESS_GLOB = ".spark-quant-progress*.json"
 CHECK_STATS_NAME = ".spark-quant-stats.json"

@@ -531,7 +531,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         kv_dtypes=tuple(args.kv_dtypes.split(",")),
         kv_scales=args.kv_scales, kv_gsm8k_limit=args.kv_gsm8k_limit)
     report = run_eval(args.build, _eval_baseline(args), opts, baseline_endpoint=args.baseline_endpoint)
-    out = Path(args.out) if args.out else Path(args.build) / "eval"
+    from formats.manifest import EVAL_FOLDER
+
+    out = Path(args.out) if args.out else Path(args.build) / EVAL_FOLDER
     print(f"report: {out / 'report.json'}, {out / 'report.md'}")
     for line in gate_lines(report):
         print(line, file=sys.stderr)

@@ -34,6 +34,7 @@ from formats import get_writer
 from formats.checkpoint import INDEX_NAME
 from formats.manifest import (
     CHECK_STATS_NAME,
+    EVAL_FOLDER,
     MANIFEST_NAME,
     fingerprint,
     has_ledger,
@@ -107,12 +108,19 @@ def _check_files(build: Path, manifest: dict, rep: VerifyReport) -> None:
         if sha256_file(p) != entry.get("sha256"):
             rep.add("error", "files", f"{rel}: sha256 differs from the manifest (corrupted or "
                     "modified after the build)", key=rel)
+    evals = 0
     for p in sorted(build.rglob("*")):
         rel = str(p.relative_to(build))
+        if p.is_file() and p.relative_to(build).parts[0] == EVAL_FOLDER and rel not in listed:
+            evals += 1  # quantize eval's report, written after the build
+            continue
         if p.is_file() and rel not in (MANIFEST_NAME, CHECK_STATS_NAME) and rel not in listed:
             why = ("an unfinished run's progress ledger" if is_ledger_name(rel) else
                    "a leftover temp file" if is_temp_name(p.name) else "not in the manifest")
             rep.add("error", "files", f"{rel}: {why}", key=rel)
+    if evals:
+        rep.add("info", "files", f"{EVAL_FOLDER}/: {evals} file(s) of `quantize eval`'s report, "
+                "written after the build, not hashed", key=EVAL_FOLDER)
 
 
 def _check_headers(build: Path, rep: VerifyReport) -> dict[str, TensorInfo]:

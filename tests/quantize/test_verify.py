@@ -64,6 +64,19 @@ def test_damaged_files_are_named(build):
         "x.safetensors.tmp: a leftover temp file"]
 
 
+def test_eval_report_in_the_build_is_read_past(build):
+    _, out = build
+    (out / "eval").mkdir()
+    (out / "eval" / "report.json").write_text("{}")
+    (out / "eval" / "report.md").write_text("#")
+    rep = verify(out)
+    assert rep.ok, rep.render()
+    assert [f.message for f in rep.findings if f.key == "eval"] == [
+        "eval/: 2 file(s) of `quantize eval`'s report, written after the build, not hashed"]
+    (out / "evaluation.txt").write_text("?")  # a name beginning with eval is still an unknown file
+    assert errors(verify(out)) == ["evaluation.txt: not in the manifest"]
+
+
 def test_unfinished_build(build):
     _, out = build
     (out / MANIFEST_NAME).unlink()
