@@ -189,8 +189,9 @@ def gptq_calib_set(src: str | Path, *, dataset: str | None = None, calibration: 
         return build_calib_set(dataset, tok, samples=samples, seq_len=seq_len, seed=seed,
                                chat_template=chat_template, vocab_size=vocab)
     if calibration is None:
-        raise CalibrationError("--method gptq needs calibration tokens: --dataset D (GPTQ runs the "
-                               "samples through the model to build each Linear's Hessian X^T X)")
+        raise CalibrationError("--method gptq needs calibration tokens: --dataset D, or --calibration "
+                               "STATS of `quantize calibrate` to rebuild its set (GPTQ runs the samples "
+                               "through the model to build each Linear's Hessian X^T X)")
     from formats.calib_stats import CalibStats
 
     meta = CalibStats.load(calibration).meta
