@@ -51,16 +51,22 @@ def redact(text: str) -> str:
     return text
 
 
+def _map_strings(obj, fn):
+    """A copy of a JSON-like object (dict / list / str / numbers) with ``fn`` applied to every
+    string, keys included."""
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_map_strings(v, fn) for v in obj]
+    return obj
+
+
 def redact_obj(obj):
     """A copy of a JSON-like object (dict / list / str / numbers) with :func:`redact` applied
     to every string, keys included."""
-    if isinstance(obj, str):
-        return redact(obj)
-    if isinstance(obj, dict):
-        return {redact_obj(k): redact_obj(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [redact_obj(v) for v in obj]
-    return obj
+    return _map_strings(obj, redact)
 
 
 # An absolute POSIX path: a "/" that no word, dot, colon, slash or dash precedes (so never a
@@ -82,13 +88,7 @@ def unlocal(text: str) -> str:
 
 def unlocal_obj(obj):
     """A copy of a JSON-like object with :func:`unlocal` applied to every string, keys included."""
-    if isinstance(obj, str):
-        return unlocal(obj)
-    if isinstance(obj, dict):
-        return {unlocal_obj(k): unlocal_obj(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [unlocal_obj(v) for v in obj]
-    return obj
+    return _map_strings(obj, unlocal)
 
 
 class RedactingStream(io.TextIOBase):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import load_all
 from safetensors import safe_open
 from tiny_models import build_tiny
 
@@ -36,15 +37,6 @@ def toy(tmp_path_factory):
     return root, src, stats, stats_dir
 
 
-def read_all(folder):
-    idx = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for name, shard in idx.items():
-        with safe_open(str(folder / shard), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
-
-
 def test_fc13_unrouted_expert_reported(toy):
     _, _, stats, _ = toy
     for layer in (0, 1):
@@ -62,7 +54,7 @@ def test_fc13_w4a4_build_scales(toy, tmp_path):
     _, src, stats, stats_dir = toy
     summary = convert(src, tmp_path / "b", scheme="w4a4", calibration=stats_dir, progress=False,
                       device="cpu", min_expert_tokens=1)
-    t = read_all(tmp_path / "b")
+    t = load_all(tmp_path / "b")
     for layer in (0, 1):
         blk = f"model.layers.{layer}.mlp.experts"
         for proj in ("gate_proj", "up_proj", "down_proj"):

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
+from conftest import load_all
 
 from calibrate.data import CalibSet
 from calibrate.gptq import expert_min_tokens, gptq_calib_set, run_gptq, work_folder
@@ -126,15 +126,6 @@ def llama(tmp_path_factory):
     return root, src
 
 
-def _read(folder):
-    idx = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for name, shard in idx.items():
-        with safe_open(str(folder / shard), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
-
-
 def test_dense_build_takes_gptq_results_with_shared_global_scales(llama, tmp_path):
     from formats.sources import open_source
 
@@ -148,7 +139,7 @@ def test_dense_build_takes_gptq_results_with_shared_global_scales(llama, tmp_pat
                                        ("mlp.up_proj", "mlp.gate_proj"))}
     out = tmp_path / "b"
     convert(src, out, gptq=work, progress=False, device="cpu")
-    t, res, source = _read(out), GPTQResults(work), open_source(src)
+    t, res, source = load_all(out), GPTQResults(work), open_source(src)
     p = "model.layers.1.self_attn"
     amax = max(float(source.read(f"{p}.{m}_proj.weight").abs().amax()) for m in "qkv")
     for m in "qkv":  # the fused group shares the global scale of its whole amax
@@ -206,7 +197,7 @@ def test_moe_fixture_end_to_end_with_expert_fallback(tmp_path):
     fallback = opts["gptq"]["fallback"]
     source = open_source(src)
     assert 0 < len(fallback) < opts["gptq"]["modules"]
-    t = _read(out)
+    t = load_all(out)
     for mod, tokens in fallback.items():  # fallback: exactly the round-to-nearest bytes
         k = source.tensors[mod + ".weight"].shape[1]
         assert tokens < expert_min_tokens(k)
