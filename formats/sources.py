@@ -342,7 +342,9 @@ class Source:
         """Shards read to convert the tensors of ``shard``: their data and scale sidecars.
 
         Fused-group partners in other shards are not listed: the converter keeps their amax
-        (in memory and in its resume ledger) once it has read them.
+        (in memory and in its resume ledger) once it has read them; the shards of those a
+        stream does not convert itself (another rank's) come from the converter as the
+        ``partners`` of :meth:`read_order` and :meth:`stream`.
         """
         out = {shard}
         for t in self.tensors_in(shard):
@@ -351,37 +353,55 @@ class Source:
                 out.add(t.scale.shard)
         return out
 
-    def read_order(self, shards: list[str]) -> list[str]:
+    def read_order(self, shards: list[str], partners: dict[str, set[str]] | None = None
+                   ) -> list[str]:
         """Shard files in the order a :meth:`stream` of ``shards`` first reads them: each
         shard of ``shards`` in index order, followed by the other shards it reads
-        (:meth:`reads_of`, sorted) not read before."""
-        wanted = set(shards)
+        (:meth:`reads_of` and ``partners[shard]``, sorted) not read before.
+
+        ``partners``: shard -> further shards the converter reads to convert it (the shards of
+        fused-group partners whose amax it does not hold: one another rank converts,
+        ``quantize.convert.pipeline._partner_reads``); the same mapping as its :meth:`stream`.
+        """
+        reads = self._reads(shards, partners)
         out: list[str] = []
-        for s in (s for s in self.shards if s in wanted):
-            for r in [s, *sorted(self.reads_of(s) - {s})]:
+        for s, rs in reads.items():
+            for r in [s, *sorted(rs - {s})]:
                 if r not in out:
                     out.append(r)
         return out
+
+    def _reads(self, shards: list[str] | None, partners: dict[str, set[str]] | None
+               ) -> dict[str, set[str]]:
+        """Shards of ``shards`` (all when None) in index order -> every shard converting it
+        reads (:meth:`reads_of` plus ``partners``)."""
+        wanted = set(self.shards if shards is None else shards)
+        return {s: self.reads_of(s) | set((partners or {}).get(s, ())) for s in self.shards
+                if s in wanted}
 
     def __reduce__(self):
         # another process (--workers) opens the same source again: the folder and the shard
         # files object (a Hub stream pickles its plan, not its threads)
         return (open_source, (self.folder, self.files))
 
-    def stream(self, shards: list[str] | None = None) -> Iterator[str]:
+    def stream(self, shards: list[str] | None = None,
+               partners: dict[str, set[str]] | None = None) -> Iterator[str]:
         """Yield shard names in index order (all, or those of ``shards``: one rank's share).
-        When the caller moves on from a shard, every shard that no later shard reads is
-        closed and handed to ``files.release`` (a Hub source deletes it), so only the current
-        shard and its cross-shard partners stay on disk. ``files.finish()`` runs after the
-        last shard."""
-        wanted = set(self.shards if shards is None else shards)
-        order = [s for s in self.shards if s in wanted]
-        reads = {s: self.reads_of(s) for s in order}
+        When the caller moves on from a shard, every shard read so far (those yielded, the
+        shards they read: :meth:`reads_of` and ``partners``, as in :meth:`read_order`) that
+        no later shard reads is closed and handed to ``files.release`` once (a Hub source
+        deletes it when no rank reads it any more), so only the current shard and its
+        cross-shard partners stay on disk. ``files.finish()`` runs after the last shard."""
+        reads = self._reads(shards, partners)
+        order = list(reads)
+        released: set[str] = set()
         for i, shard in enumerate(order):
             yield shard
+            read = set().union(*(reads[s] for s in order[: i + 1]))
             later = set().union(*(reads[s] for s in order[i + 1:]))
-            for s in order:
-                if s not in later:
+            for s in self.shards:
+                if s in read and s not in later and s not in released:
+                    released.add(s)
                     self._reader.drop(s)
                     self.files.release(s)
         self.files.finish()

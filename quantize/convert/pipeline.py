@@ -217,20 +217,58 @@ def _set_tie(config: dict, value: bool) -> None:
             cfg["tie_word_embeddings"] = value
 
 
+def _fused_group(decision: Decision, name: str) -> list[str]:
+    """The weights whose amax sets the NVFP4 global scale of ``name``: its fused group's
+    members (the architecture map's, through the plan) or ``name`` alone."""
+    return [m + ".weight" for m in decision.members] or [name]
+
+
 def _source_deps(source: Source, decisions: dict[str, Decision], shard: str) -> dict[str, list]:
     """Identity (``ShardFiles.identity``: size and mtime_ns, or size and sha256 for a Hub
     source) of every source shard the output ``shard`` is computed from: its own tensors, their
     FP8 scales and their fused-group partners."""
     files = {shard}
     for t in source.tensors_in(shard):
-        names = [m + ".weight" for m in decisions[t.name].members] or [t.name]
-        for n in names:
+        for n in _fused_group(decisions[t.name], t.name):
             lt = source.tensors.get(n)
             if lt is not None:
                 files.add(lt.shard)
                 if lt.scale is not None:
                     files.add(lt.scale.shard)
     return {f: source.files.identity(f) for f in sorted(files)}
+
+
+def _partner_reads(source: Source, decisions: dict[str, Decision], shards: list[str],
+                   known: set[str] | dict = frozenset()) -> dict[str, set[str]]:
+    """Source shards a stream of ``shards`` (one rank's share) reads besides
+    ``Source.reads_of``: for each NVFP4 weight of a shard, the data and scale shards of the
+    fused-group partners that live in a shard outside ``shards`` (another rank converts it)
+    and whose amax is not ``known`` (from the resume ledger). The converter reads such a
+    partner to take its amax (``_Reader.amax``); stating it lets a Hub source keep the shard
+    until this rank is done with it (``Source.read_order``, ``Source.stream``,
+    ``HubShards.will_read``) instead of fetching it again after its other reader deleted it.
+
+    Returns:
+        shard of ``shards`` -> set of other source shard names (shards with none left out).
+    """
+    mine = set(shards)
+    out: dict[str, set[str]] = {}
+    for shard in shards:
+        extra: set[str] = set()
+        for t in source.tensors_in(shard):
+            d = decisions[t.name]
+            if d.target is not Target.NVFP4:
+                continue
+            for n in _fused_group(d, t.name):
+                lt = source.tensors.get(n)
+                if lt is None or lt.shard in mine or n in known:
+                    continue
+                extra.add(lt.shard)
+                if lt.scale is not None:
+                    extra.add(lt.scale.shard)
+        if extra:
+            out[shard] = extra
+    return out
 
 
 """Block-scale choice: round-to-nearest, least-squares search (``kernels.scale_search``), or
@@ -498,7 +536,8 @@ class _Reader:
         job, source = self.job, self.job.source
         wanted = set(shards)
         order = [s for s in source.shards if s in wanted]  # the order source.stream yields
-        for i, shard in enumerate(source.stream(shards)):
+        partners = _partner_reads(source, job.decisions, shards, known=self._amax)
+        for i, shard in enumerate(source.stream(shards, partners)):
             for ahead in order[i : i + 2]:  # this shard and the next: the disk never idles
                 source.prefetch(ahead)
             deps = _source_deps(source, job.decisions, shard)
@@ -512,7 +551,7 @@ class _Reader:
                 d = job.decisions[t.name]
                 mod = job.modules[t.name]
                 if d.target is Target.NVFP4:
-                    group = [m + ".weight" for m in d.members] or [t.name]
+                    group = _fused_group(d, t.name)
                     here = [n for n in group if source.tensors[n].shard == shard]
                     preps = {n: self.prepare(n) for n in here}
                     if job.gptq is not None:
@@ -914,8 +953,13 @@ def _run_ranks(plan: _Plan, out: Path, opts: ConvertOptions, dev: torch.device,
         ledger = Ledger(out, plan.job_id, opts.resume, rank=world.rank if world.size > 1 else None)
         source = job.source  # a Hub source starts downloading what this rank will read
         todo = [s for s in mine if not ledger.is_done(s, _source_deps(source, job.decisions, s))]
-        source.files.will_read([source.read_order(x) for x in shares], world.rank,
-                               source.read_order(todo))
+        # every rank's reads, fused-group partners in other ranks' shards included (the same
+        # on every rank); this rank's own without the partners whose amax the ledger holds,
+        # as its stream in _Reader.items reads them
+        orders = [source.read_order(x, _partner_reads(source, job.decisions, x)) for x in shares]
+        known = ledger.known_amax(source.files.identity)
+        source.files.will_read(orders, world.rank, source.read_order(
+            todo, _partner_reads(source, job.decisions, mine, known)))
         return _convert_shards(job, mine, out, ledger, dev, opts.kernel, bar)
 
     if world.size == 1:
