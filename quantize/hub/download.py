@@ -130,7 +130,10 @@ class HubShards(ShardFiles):
     the shards it reads (a lock per blob, the one ``hf_hub_download`` takes, so a shard read by
     two ranks is downloaded once), and a shard is deleted by the last rank that reads it, from
     what every rank has recorded in its ``.spark-quant-hub.rank<R>.json`` in the output
-    folder (:meth:`gather_ranks` sums and removes those files at the end).
+    folder (:meth:`gather_ranks` sums and removes those files at the end). A rank reads only
+    shards of its ``orders`` entry (``Source.read_order``: its own, their scale sidecars and
+    the fused-group partners it takes an amax from), so no rank reads a shard after its last
+    reader deleted it; the read-ahead skips a shard released before it got to it.
     """
 
     shared = True  # several processes may each open it (--workers, torchrun)
@@ -266,6 +269,8 @@ class HubShards(ShardFiles):
                 if self._stop:
                     self.idle.set()
                     return
+                if shard in self._released:  # the converter is done with it without a read
+                    continue
                 self.idle.clear()
             try:
                 p = self._fetch(shard)
@@ -277,7 +282,10 @@ class HubShards(ShardFiles):
                 return
             with self._cv:
                 self._ready[shard] = p
+                late = shard in self._released
                 self._cv.notify_all()
+            if late:  # released while it downloaded: that release found nothing to delete
+                self.release(shard)
         self.idle.set()
 
     def path(self, shard: str) -> Path:
@@ -431,6 +439,7 @@ class HubShards(ShardFiles):
     def release(self, shard: str) -> None:
         with self._cv:
             self._ready.pop(shard, None)
+            self._released.add(shard)  # the read-ahead no longer fetches it
         if self.world == 1:
             if shard in self.fetched and not self.keep and self._on_disk(shard):
                 self._delete(shard)

@@ -420,3 +420,72 @@ def test_partner_read_after_its_converter_released_it_is_not_fetched_again(tmp_p
     convert(src, ref, progress=False, device="cpu")
     for name in [*SHARDS, "config.json", "model.safetensors.index.json"]:
         assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def test_torchrun_two_ranks_from_the_hub_equal_a_local_build(tmp_path):
+    """torchrun (gloo, two ranks on this machine) from the Hub: rank 0 plans from the Hub and
+    hands the plan to rank 1, both fetch into one HF_HOME, each shard is downloaded once and
+    deleted after its last reader, and the build is the local one byte for byte."""
+    src = layered_fp8(tmp_path / "src")
+    hf_home, out = tmp_path / "hf", tmp_path / "out"
+    with FakeHub(token=TOKEN) as hub:
+        hub.serve_folder(REPO, src, private=True)
+        env = client_env(hub, hf_home, HF_TOKEN=TOKEN, OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", "-m", "quantize.cli", "nvfp4", "--src", REPO,
+                            "--out", str(out), "--device", "cpu", "--kernel", "reference",
+                            "--quiet"], env=env, cwd=ROOT, capture_output=True, text=True,
+                           timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert sorted(_full_gets(hub.log)) == SHARDS
+        assert [e["file"] for e in hub.log if e.get("file") == "config.json" and e.get("full")
+                ] == ["config.json"]  # rank 0 alone resolved and listed the repo
+    assert r.stdout.count("deleted after use") == 1  # rank 0 reports, rank 1 stays quiet
+    sha = {hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
+    assert not sha & {p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir()}
+    assert not list(out.glob(".spark-quant-hub*"))
+    ref = tmp_path / "ref"
+    convert(src, ref, progress=False, device="cpu")
+    for name in [*SHARDS, "config.json", "model.safetensors.index.json"]:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+# A child process that opens the Hub source with a budget of one shard and plans two: shard 1
+# is fetched, the read-ahead waits for the budget before shard 2; the converter then lets go
+# of shard 2 without reading it (a shard whose only tensor is skipped) and of shard 1.
+_RELEASED_UNREAD = """
+import json, sys
+from pathlib import Path
+import quantize.hub.download as d
+
+out = Path(sys.argv[2])
+out.mkdir()
+source, info, files = d.open_hub_source(sys.argv[1], out, budget=int(sys.argv[3]))
+s1, s2 = sys.argv[4:6]
+files.will_read([[s1, s2]], 0, [s1, s2])
+assert files.idle.wait(120), "the read-ahead never waited for the budget"
+files.release(s2)
+files.release(s1)
+files._thread.join(120)
+assert not files._thread.is_alive()
+files.finish()
+print(json.dumps([(e, s) for e, s, _ in files.trace]))
+"""
+
+
+def test_read_ahead_skips_a_shard_released_before_it_was_fetched(tmp_path):
+    src = layered_fp8(tmp_path / "src")
+    s1, s2 = SHARDS[:2]
+    hf_home, out = tmp_path / "hf", tmp_path / "out"
+    with FakeHub(token=TOKEN) as hub:
+        hub.serve_folder(REPO, src, private=True)
+        r = subprocess.run([sys.executable, "-c", _RELEASED_UNREAD, REPO, str(out),
+                            str((src / s1).stat().st_size), s1, s2],
+                           env=client_env(hub, hf_home, HF_TOKEN=TOKEN), capture_output=True,
+                           text=True, timeout=240, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert _full_gets(hub.log) == [s1]  # shard 2 never downloaded (it would stay cached)
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [
+        ["start", s1], ["done", s1], ["delete", s1]]
+    sha = {hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
+    assert not sha & {p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir()}
