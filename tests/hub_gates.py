@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from quantize.hub import download  # noqa: E402
+from quantize.hub import download
 
 GATE_ENV = "SPARK_QUANT_TEST_GATES"
 WAIT = 120.0
@@ -34,7 +34,6 @@ class GatedShards(download.HubShards):
 
     def __setstate__(self, state):
         self.gates = tuple(state.pop("gates"))
-        self._opened: set[str] = set()
         super().__setstate__(state)
 
     def _event(self, rank: int, shard: str) -> Path:
@@ -61,7 +60,8 @@ class GatedShards(download.HubShards):
 
 def main(argv: list[str]) -> int:
     """``argv``: ``RANK:SHARD:OTHER[,...]``, ``--``, then the arguments of ``quantize``."""
-    from tests.hub_gates import GatedShards as gated  # pickled by this name, not __main__'s
+    # pickled by this module's name, not __main__'s
+    from tests.hub_gates import GatedShards as gated
 
     spec, args = argv[0], argv[argv.index("--") + 1:]
     gated.gates = tuple((int(r), s, int(o)) for r, s, o in (g.split(":") for g in spec.split(",")))

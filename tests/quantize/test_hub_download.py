@@ -406,7 +406,8 @@ def test_partner_read_after_its_converter_released_it_is_not_fetched_again(tmp_p
         r = subprocess.run([sys.executable, str(ROOT / "tests" / "hub_gates.py"), gates, "--",
                             "nvfp4", "--src", REPO, "--out", str(out), "--quiet", "--device",
                             "cpu", "--kernel", "reference", "--workers", "2"],
-                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                           check=False)
         assert r.returncode == 0, r.stderr[-3000:]
         # both gated reads happened, each after the other rank's release of that shard
         assert sorted(p.name for p in events.glob("passed.*")) == [
@@ -435,7 +436,7 @@ def test_torchrun_two_ranks_from_the_hub_equal_a_local_build(tmp_path):
                             "--nproc-per-node", "2", "-m", "quantize.cli", "nvfp4", "--src", REPO,
                             "--out", str(out), "--device", "cpu", "--kernel", "reference",
                             "--quiet"], env=env, cwd=ROOT, capture_output=True, text=True,
-                           timeout=240)
+                           timeout=240, check=False)
         assert r.returncode == 0, r.stderr[-3000:]
         assert sorted(_full_gets(hub.log)) == SHARDS
         assert [e["file"] for e in hub.log if e.get("file") == "config.json" and e.get("full")
@@ -482,7 +483,7 @@ def test_read_ahead_skips_a_shard_released_before_it_was_fetched(tmp_path):
         r = subprocess.run([sys.executable, "-c", _RELEASED_UNREAD, REPO, str(out),
                             str((src / s1).stat().st_size), s1, s2],
                            env=client_env(hub, hf_home, HF_TOKEN=TOKEN), capture_output=True,
-                           text=True, timeout=240, cwd=ROOT)
+                           text=True, timeout=240, cwd=ROOT, check=False)
         assert r.returncode == 0, r.stderr[-3000:]
         assert _full_gets(hub.log) == [s1]  # shard 2 never downloaded (it would stay cached)
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [
