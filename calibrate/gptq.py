@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 
 from calibrate.data import CalibSet, build_calib_set
 from quantize.base.errors import CalibrationError
+from quantize.kernels import resolve_scales
 
 __all__ = [
     "DEFAULT_DAMP",
@@ -428,7 +429,8 @@ def convert_gptq(src: str | Path, out: str | Path, *, dataset: str | None = None
         dataset / calibration: the calibration tokens (:func:`gptq_calib_set`); a given
             ``calibration`` is also passed to the conversion (W4A4 input scales, KV scales).
         damp, act_order, block: GPTQ settings (:func:`run_gptq`); the block-scale method is
-            ``convert_options["scales"]`` (default ``rtn``).
+            ``convert_options["scales"]`` (default ``auto``: ``mse`` on CUDA, ``rtn`` on CPU,
+            :func:`quantize.kernels.resolve_scales`).
         gptq_dtype: compute dtype of the streamed layers.
         keep_work: keep the work folder after the build (default: removed once the build
             has its manifest).
@@ -442,10 +444,10 @@ def convert_gptq(src: str | Path, out: str | Path, *, dataset: str | None = None
 
     opts = dict(convert_options)
     fmt = opts.get("fmt", "compressed-tensors")
-    scales = opts.pop("scales", "rtn")
     device = opts.get("device", "auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    scales = resolve_scales(opts.pop("scales", "auto"), torch.device(device).type)
     work = work_folder(out)
     calib = gptq_calib_set(src, dataset=dataset, calibration=calibration, samples=samples,
                            seq_len=seq_len, seed=seed)

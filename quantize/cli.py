@@ -10,7 +10,7 @@ from formats.engines import ENGINES
 from quantize.archs import KV_DTYPES
 from quantize.base.errors import SparkQuantError
 from quantize.base.redact import RedactingStream
-from quantize.kernels import BACKENDS, SCALE_METHODS
+from quantize.kernels import BACKENDS, SCALE_METHODS, SCALES_AUTO
 
 # The pyproject extra that installs each optional package a command imports (README says
 # which command needs which).
@@ -565,10 +565,11 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--calibration", help="stats folder from `quantize calibrate`")
     n.add_argument("--kv-cache", choices=["fp8"],
                    help="declare an FP8 KV cache; with --calibration write k/v scales")
-    n.add_argument("--scales", default="rtn", choices=SCALE_METHODS,
+    n.add_argument("--scales", default=SCALES_AUTO, choices=(SCALES_AUTO, *SCALE_METHODS),
                    help="block scales: round-to-nearest, Four Over Six (amax to 6 or 4), the "
                         "least-squares search around both, or that search weighted by "
-                        "calibration activations (mse-act, needs --calibration)")
+                        "calibration activations (mse-act, needs --calibration); auto "
+                        "(default): mse on CUDA, where it costs no time, rtn on CPU")
     n.add_argument("--min-expert-tokens", type=_int_at_least(0), default=None,
                    help="experts with fewer calibration tokens use the layer max (default 8)")
     n.add_argument("--method", default="stream", choices=["stream", "gptq"],

@@ -104,7 +104,7 @@ def main() -> None:
     counted = float(m[1]) * 2**20 if m else float("nan")
     t_local, _ = timed([sys.executable, "-m", "quantize.cli", "nvfp4", "--src", str(src), "--out",
                         str(work / "out-local"), "--quiet", "--device", args.device,
-                        "--workers", str(args.workers)], dict(os.environ, PYTHONPATH=str(ROOT)))
+                        "--workers", str(args.workers)], dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
     same = all((work / "out-hub" / s).read_bytes() == (work / "out-local" / s).read_bytes()
                for s in sizes)
     start, span, tail = first_get - t0, last_byte - first_get, t_end - last_byte

@@ -34,8 +34,8 @@ Rows (``--rows``, comma list, in the order given):
   tree with the arguments in :data:`OURS`. A row whose arguments this tree's CLI refuses, or
   whose ``--method gptq`` is still the llm-compressor adapter (so it would only repeat
   ``peer-gptq``), is printed as ``not available in this tree`` and skipped. Rows whose parsed
-  arguments are identical (``default`` and ``rtn`` while round-to-nearest is the default) share
-  one build. ``--row-args NAME='ARGS'`` replaces or adds a row's arguments ({stats}, {dataset},
+  arguments are identical (``default`` and the method ``--scales auto`` runs on this device:
+  ``rtn`` on CPU, ``mse`` on CUDA) share one build. ``--row-args NAME='ARGS'`` replaces or adds a row's arguments ({stats}, {dataset},
   {samples}, {seq_len}, {seed} are filled in).
 
 The peer rows run as subprocesses of ``--peer-python`` (an environment with
@@ -269,6 +269,14 @@ def parsed_row_args(args_line: str) -> tuple[argparse.Namespace | None, str]:
         return None, err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "refused"
     ns = vars(ns)
     ns.pop("func", None)
+    import torch
+
+    from quantize.kernels import resolve_scales
+
+    # --scales auto is the method it runs on this machine's device (so ``default`` and the row
+    # of that method share one build)
+    dev = ns["device"] if ns["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    ns["scales"] = resolve_scales(ns["scales"], torch.device(dev).type)
     return argparse.Namespace(**ns), ""
 
 

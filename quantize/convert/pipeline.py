@@ -78,7 +78,7 @@ from quantize.convert.overlap import Consumer, Producer, StageClock
 from quantize.convert.parallel import World, assign_shards, current_world, spawn_local
 from quantize.inspect.check import SCALE_NAMES, check_build, render_check, scale_faults
 from quantize.inspect.preflight import ABSURD_AMAX, MIN_AMAX, preflight
-from quantize.kernels import SCALE_METHODS
+from quantize.kernels import SCALE_METHODS, resolve_scales
 from quantize.kernels.dtypes import count_bytes
 from quantize.kernels.fp8 import quantize_fp8_block
 from quantize.kernels.fused import (
@@ -308,8 +308,11 @@ class ConvertOptions:
         calibration: a stats folder from ``quantize calibrate`` (``formats.calib_stats``).
         kv_cache: ``fp8`` declares an FP8 KV cache; with ``calibration`` the k/v scales
             (amax / 448) are written per attention block, else engines use 1.0.
-        scales: one of :data:`SCALE_METHODS`; every method runs in the output format's
-            arithmetic order and in every ``kernel`` with the same bytes.
+        scales: ``auto`` (default: ``mse`` on CUDA, ``rtn`` on CPU,
+            :data:`quantize.kernels.SCALES_BY_DEVICE`) or one of :data:`SCALE_METHODS`; every
+            method runs in the output format's arithmetic order and in every ``kernel`` with
+            the same bytes, so only ``auto`` differs between devices. The manifest records the
+            method that ran.
         min_expert_tokens: routed experts with fewer calibration tokens take the layer's max
             over experts as input amax and are listed in the manifest (default 8).
         kernel: ``auto``, ``reference``, ``inductor`` (CPU) or ``triton`` (CUDA); see
@@ -337,7 +340,7 @@ class ConvertOptions:
     engine: str = "vllm"
     calibration: "str | Path | None" = None
     kv_cache: str | None = None
-    scales: str = "rtn"
+    scales: str = "auto"  # SCALES_AUTO or SCALE_METHODS; auto resolved per device (resolve_scales)
     min_expert_tokens: int | None = None
     kernel: str = "auto"
     workers: int = 1
@@ -803,6 +806,7 @@ def convert(src: str | Path | Source, out: str | Path, options: ConvertOptions |
     world, out = current_world(), Path(out)
     rec, writer = load_recipe(opts.recipe), get_writer(opts.fmt)
     dev = _resolve_device(opts.device, world)
+    opts = replace(opts, scales=resolve_scales(opts.scales, dev.type))
     choose_backend(opts.kernel, dev)  # refuse a kernel that cannot run here before any work
     if world.size > 1:
         _shared_source(src)
@@ -829,7 +833,7 @@ def _warm_kernels(opts: ConvertOptions, src: Path) -> None:
                 return
     except Exception:
         return
-    if backend == "inductor" and opts.scales == "rtn":
+    if backend == "inductor" and resolve_scales(opts.scales, dev.type) == "rtn":
         warm_up(order)
 
 

@@ -21,9 +21,9 @@ NVFP4 specifics (MR-GPTQ, Egiazarian et al. 2025, arXiv 2509.23202): the per-ten
 the whole fused group); then, when GPTQ reaches a 16-column group, its e4m3 block scale per
 row is chosen from the current (error-updated) weights of those 16 columns: round-to-nearest
 (``rtn``, as :func:`quantize.kernels.nvfp4.quantize_nvfp4`) or the least-error search over
-the e4m3 codes ``rtn + DEFAULT_OFFSETS`` (``mse``, as
-:func:`quantize.kernels.scale_search.quantize_nvfp4_search`; ``mse-act`` weighs each
-column's squared error by ``H[k, k]``). The columns are then rounded to e2m1 against that
+the candidates of ``--scales mse`` (``mse``, the choice of
+:func:`quantize.kernels.scale_search.quantize_nvfp4_search`, scored the same way; ``mse-act``
+weighs each column's squared error by ``H[k, k]``). The columns are then rounded to e2m1 against that
 scale, in the arithmetic order of the output format (``global``: ``x / (s / g)``,
 compressed-tensors; ``scale_2``: ``x / (s * s2)``, ModelOpt), so the codes, the block scales
 and the scalar are exactly what the writer stores.
@@ -35,29 +35,19 @@ method alone byte for byte (:func:`quantize_nvfp4_rows`); a huge damping gives t
 import torch
 
 from quantize.kernels.dtypes import E2M1_LUT, E2M1_MAX, NVFP4_GROUP_SIZE
-from quantize.kernels.nvfp4 import (
-    nvfp4_block_scale,
-    nvfp4_block_scale_scale2,
-    pack_e2m1,
-    round_to_e2m1_codes,
-)
+from quantize.kernels.nvfp4 import pack_e2m1, round_to_e2m1_codes
+from quantize.kernels.scale_search import METHOD_CANDIDATES, choose_block_scales
 
-__all__ = ["GPTQ_SCALES", "ORDERS", "choose_block_scales", "gptq_nvfp4", "quantize_nvfp4_rows"]
+__all__ = ["GPTQ_SCALES", "ORDERS", "gptq_nvfp4", "quantize_nvfp4_rows"]
 
 ORDERS = ("global", "scale_2")
 """NVFP4 arithmetic orders: compressed-tensors (quantize-direction global scale g, unit
 ``s / g``) and ModelOpt (dequant-direction ``scale_2``, unit ``s * scale_2``)."""
 
 GPTQ_SCALES = ("rtn", "mse", "mse-act")
-
-DEFAULT_OFFSETS = (0, -1, -2, -3, -4, 1, 2)
-"""e4m3 code offsets from each 16-column group's RTN block scale that GPTQ's ``mse`` tries
-(the search as it was before the 4/6 candidates: the candidates ``(6, d)`` of
-:func:`quantize.kernels.scale_search.quantize_nvfp4_search`)."""
-"""Block-scale choice inside GPTQ: round-to-nearest, least-error search, search weighted by
-the Hessian diagonal."""
-
-_E4M3_MIN_CODE, _E4M3_MAX_CODE = 0x01, 0x7E
+"""Block-scale choice inside GPTQ: round-to-nearest, the least-error search, the search
+weighted by the Hessian diagonal; the candidates of each are those of the ``--scales`` method
+of the same name (:data:`quantize.kernels.scale_search.METHOD_CANDIDATES`)."""
 
 
 def _unit(scale: torch.Tensor, scalar: torch.Tensor, order: str) -> torch.Tensor:
@@ -65,58 +55,19 @@ def _unit(scale: torch.Tensor, scalar: torch.Tensor, order: str) -> torch.Tensor
     return scale / scalar if order == "global" else scale * scalar
 
 
-def _rtn_scale(amax: torch.Tensor, scalar: torch.Tensor, order: str) -> torch.Tensor:
-    if order == "global":
-        return nvfp4_block_scale(amax, scalar)
-    return nvfp4_block_scale_scale2(amax, scalar)
-
-
 def _round(x: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
     """e2m1 codes of ``x`` against ``unit`` (broadcast), as the writers' kernels round."""
     return round_to_e2m1_codes(torch.clamp(x / unit, -E2M1_MAX, E2M1_MAX))
 
 
-def choose_block_scales(blocks: torch.Tensor, scalar: torch.Tensor, order: str, method: str = "rtn",
-                        weight: torch.Tensor | None = None,
-                        offsets: tuple[int, ...] = DEFAULT_OFFSETS) -> torch.Tensor:
-    """e4m3 block scales (as float32 values) of 16-element blocks.
-
-    Args:
-        blocks: float32 [..., 16]. scalar: float32 broadcastable to ``blocks.shape[:-1]``
-            (global scale ``2688 / amax`` for order ``global``, ``amax / 2688`` for
-            ``scale_2``). method: one of :data:`GPTQ_SCALES` (``mse-act`` needs ``weight``).
-        weight: float32 broadcastable to ``blocks`` (per-column importance), or None.
-        offsets: e4m3 code offsets tried by the search (must hold 0).
-
-    Returns:
-        float32 ``blocks.shape[:-1]``, each exactly an e4m3 value. ``rtn`` equals the block
-        scales of :func:`quantize.kernels.nvfp4.quantize_nvfp4` (``global``) /
-        ``quantize_nvfp4_scale2`` (``scale_2``); ``mse`` in order ``global`` chooses as
-        :func:`quantize.kernels.scale_search.quantize_nvfp4_search` with the candidates
-        ``(6, d)`` for ``d`` in ``offsets``; ties keep RTN.
-    """
-    amax = blocks.abs().amax(-1)
-    s0 = _rtn_scale(amax, scalar, order)
-    if method == "rtn":
-        return s0
-    if 0 not in offsets:
-        raise ValueError(f"offsets must include 0 (the RTN scale), got {offsets}")
-    w = weight if method == "mse-act" else None
-    code0 = s0.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16)
-    live = amax > 0
-    best_err = torch.full(amax.shape, float("inf"), device=blocks.device)
-    best = s0
-    lut = E2M1_LUT.to(blocks.device)
-    for d in (0, *[o for o in offsets if o != 0]):
-        code = torch.where(live, (code0 + d).clamp(_E4M3_MIN_CODE, _E4M3_MAX_CODE), code0)
-        s = code.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
-        unit = _unit(s, scalar, order).unsqueeze(-1)
-        sq = (lut[_round(blocks, unit).long()] * unit - blocks) ** 2
-        err = (sq * w if w is not None else sq).sum(-1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best = torch.where(better, s, best)
-    return best
+def _block_scales(blocks: torch.Tensor, scalar: torch.Tensor, order: str, method: str,
+                  weight: torch.Tensor | None) -> torch.Tensor:
+    """float32 e4m3 block scales of the 16-element ``blocks`` by ``method`` (:data:`GPTQ_SCALES`):
+    :func:`quantize.kernels.scale_search.choose_block_scales` with that method's candidates,
+    ``weight`` (the Hessian diagonal per column) used by ``mse-act`` only. ``rtn`` gives the
+    block scales of ``quantize_nvfp4`` / ``quantize_nvfp4_scale2``."""
+    return choose_block_scales(blocks, scalar, order, METHOD_CANDIDATES[method],
+                               weight if method == "mse-act" else None)
 
 
 def _check(w: torch.Tensor, scalar: torch.Tensor, order: str, scales: str) -> None:
@@ -157,7 +108,7 @@ def quantize_nvfp4_rows(w: torch.Tensor, scalar: torch.Tensor, *, order: str = "
     b, r, k = w.shape
     blocks = w.view(b, r, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
     wt = weight.view(b, 1, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE) if weight is not None else None
-    s = choose_block_scales(blocks, scalar.unsqueeze(-1), order, scales, wt)
+    s = _block_scales(blocks, scalar.unsqueeze(-1), order, scales, wt)
     codes = _round(blocks, _unit(s, scalar.unsqueeze(-1), order).unsqueeze(-1)).view(b, r, k)
     return _finish(codes, s, scalar, order)
 
@@ -260,7 +211,7 @@ def gptq_nvfp4(w: torch.Tensor, h: torch.Tensor, scalar: torch.Tensor, *, order:
         for g1 in range(0, i2 - i1, gs):  # one NVFP4 group: its block scale from the current weights
             g2 = g1 + gs
             wg = W1[:, :, g1:g2]
-            s = choose_block_scales(wg, scalar, order, scales, col_weight[:, :, i1 + g1:i1 + g2])
+            s = _block_scales(wg, scalar, order, scales, col_weight[:, :, i1 + g1:i1 + g2])
             scale[:, :, (i1 + g1) // gs] = s
             unit = _unit(s, scalar, order)
             for i in range(gs):

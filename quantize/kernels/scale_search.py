@@ -50,7 +50,7 @@ from quantize.kernels.nvfp4 import (
 )
 
 __all__ = ["CANDIDATE_SETS", "DEFAULT_CANDIDATES", "FOUR_OVER_SIX", "METHOD_CANDIDATES", "RTN", "TARGETS",
-           "block_errors", "check_candidates", "normalized_channel_weight",
+           "block_errors", "check_candidates", "choose_block_scales", "normalized_channel_weight",
            "quantize_nvfp4_search"]
 
 TARGETS = (6, 4)
@@ -147,6 +147,42 @@ def _score(blocks, sf, scalar, order, weight):
     return e[..., 0] * (sf * sf)
 
 
+def choose_block_scales(blocks: torch.Tensor, scalar: torch.Tensor, order: str,
+                        candidates: tuple[tuple[int, int], ...] = DEFAULT_CANDIDATES,
+                        weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per 16-element block, the e4m3 block scale of least score among ``candidates`` (the
+    choice of :func:`quantize_nvfp4_search`; also GPTQ's, :mod:`quantize.kernels.gptq`).
+
+    Args:
+        blocks: float32 [..., 16], finite.
+        scalar: float32 broadcastable to ``blocks.shape[:-1]``: the global scale of ``order``
+            (quantize direction ``2688 / amax`` for ``global``, dequant direction
+            ``amax / 2688`` for ``scale_2``), one per tensor, fused group or row.
+        order: ``global`` or ``scale_2``.
+        candidates: checked ``(target, offset)`` pairs (:func:`check_candidates`), RTN first.
+        weight: float32 >= 0 broadcastable to ``blocks`` (per-element importance, used as
+            given), or None.
+
+    Returns:
+        float32 ``blocks.shape[:-1]``, each exactly an e4m3 value in codes 0x01..0x7E; an
+        all-zero block keeps the order's RTN scale; ties keep the earliest candidate.
+    """
+    block_scale = nvfp4_block_scale_scale2 if order == "scale_2" else nvfp4_block_scale
+    amax = blocks.abs().amax(-1)
+    base = {t: _code(block_scale(amax, scalar, float(t))) for t in {6, *(t for t, _ in candidates)}}
+    if candidates == RTN:
+        return _value(base[6])
+    live = amax > 0
+    best_code, best = base[6], torch.full_like(amax, float("inf"))
+    for t, off in candidates:
+        code = torch.where(live, (base[t] + off).clamp(_E4M3_MIN_CODE, _E4M3_MAX_CODE), base[6])
+        score = _score(blocks, _value(code), scalar, order, weight)
+        better = score < best
+        best = torch.where(better, score, best)
+        best_code = torch.where(better, code, best_code)
+    return _value(best_code)
+
+
 def quantize_nvfp4_search(w: torch.Tensor, scalar: torch.Tensor, *, order: str = "global",
                           channel_weight: torch.Tensor | None = None,
                           candidates: tuple[tuple[int, int], ...] = DEFAULT_CANDIDATES
@@ -183,18 +219,7 @@ def quantize_nvfp4_search(w: torch.Tensor, scalar: torch.Tensor, *, order: str =
     s = scalar.to(device=w.device, dtype=torch.float32).reshape(() if order == "scale_2" else (1,))
     cw = normalized_channel_weight(channel_weight, k)
     weight = None if cw is None else cw.to(w.device).view(1, k // NVFP4_GROUP_SIZE, NVFP4_GROUP_SIZE)
-    block_scale = nvfp4_block_scale_scale2 if order == "scale_2" else nvfp4_block_scale
-    amax = blocks.abs().amax(-1)
-    live = amax > 0
-    base = {t: _code(block_scale(amax, s, float(t))) for t in TARGETS}
-    best_code, best = base[6], torch.full_like(amax, float("inf"))
-    for t, off in candidates:
-        code = torch.where(live, (base[t] + off).clamp(_E4M3_MIN_CODE, _E4M3_MAX_CODE), base[6])
-        score = _score(blocks, _value(code), s, order, weight)
-        better = score < best
-        best = torch.where(better, score, best)
-        best_code = torch.where(better, code, best_code)
-    sf = _value(best_code)
+    sf = choose_block_scales(blocks, s, order, candidates, weight)
     q = blocks / _divisor(sf, s, order).unsqueeze(-1)
     codes = round_to_e2m1_codes(q.clamp(-E2M1_MAX, E2M1_MAX)).view(n, k)
     return pack_e2m1(codes), sf.to(torch.float8_e4m3fn)

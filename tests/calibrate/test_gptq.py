@@ -14,7 +14,7 @@ from formats.gptq_results import GPTQ_FILE, GPTQResults
 from quantize.base.errors import CalibrationError
 from quantize.cli import main
 from quantize.convert.pipeline import convert
-from quantize.kernels.gptq import DEFAULT_OFFSETS, gptq_nvfp4, quantize_nvfp4_rows
+from quantize.kernels.gptq import gptq_nvfp4, quantize_nvfp4_rows
 from quantize.kernels.nvfp4 import (
     dequantize_nvfp4,
     global_scale_from_amax,
@@ -65,9 +65,15 @@ def test_huge_damping_is_rtn_byte_for_byte_in_both_orders():
     p, s, _, _ = gptq_nvfp4(w[None], h[None], s2.reshape(1).expand(1, 32).clone(), order="scale_2", damp=1e9)
     rp, rs = quantize_nvfp4_scale2(w, s2)
     assert torch.equal(p[0], rp) and torch.equal(s[0].view(torch.uint8), rs.view(torch.uint8))
-    # with the search: the least-error block scales of the weight itself
+    # with the search: the least-error block scales of the weight itself, the candidates and
+    # the score of --scales mse, in both orders
     p, s, _, _ = gptq_nvfp4(w[None], h[None], g.expand(1, 32).clone(), damp=1e9, scales="mse")
-    rp, rs = quantize_nvfp4_search(w, g, candidates=tuple((6, d) for d in DEFAULT_OFFSETS))
+    rp, rs = quantize_nvfp4_search(w, g)
+    assert torch.equal(p[0], rp) and torch.equal(s[0].view(torch.uint8), rs.view(torch.uint8))
+    assert not torch.equal(rs.view(torch.uint8), quantize_nvfp4(w, g)[1].view(torch.uint8))  # not RTN
+    p, s, _, _ = gptq_nvfp4(w[None], h[None], s2.reshape(1).expand(1, 32).clone(), order="scale_2",
+                            damp=1e9, scales="mse")
+    rp, rs = quantize_nvfp4_search(w, s2, order="scale_2")
     assert torch.equal(p[0], rp) and torch.equal(s[0].view(torch.uint8), rs.view(torch.uint8))
 
 

@@ -94,3 +94,31 @@ def test_activation_fake_quant_is_nvfp4_of_the_tokens():
     assert torch.equal(y.reshape(10, 32), dequantize_nvfp4(*quantize_nvfp4(flat, g), g))
     assert torch.equal(fake_quantize_nvfp4_activation(y, g), y)  # idempotent on the grid
     assert 0 < (y - x).abs().max() <= x.abs().max() / 6 * (1 + 1 / 16)
+
+
+def test_scales_auto_is_the_search_on_cuda_and_rtn_on_cpu():
+    from quantize.cli import build_parser
+    from quantize.kernels import SCALES_AUTO, resolve_scales
+
+    ns = build_parser().parse_args(["nvfp4", "--src", "S"])
+    assert ns.scales == SCALES_AUTO == "auto"
+    assert (resolve_scales("auto", "cuda"), resolve_scales("auto", "cpu")) == ("mse", "rtn")
+    assert resolve_scales("4over6", "cuda") == "4over6" and resolve_scales("mse", "cpu") == "mse"
+    with pytest.raises(ValueError, match=r"unknown --scales 'mse2' \(valid: auto, rtn, 4over6, mse, mse-act\)"):
+        resolve_scales("mse2", "cpu")
+
+
+def test_choose_block_scales_is_the_searchs_choice_with_per_row_scalars():
+    """The function GPTQ calls: per-row scalars broadcast over the blocks of each row; every
+    row alone gives the scales quantize_nvfp4_search writes for it."""
+    from quantize.kernels.scale_search import DEFAULT_CANDIDATES, choose_block_scales
+
+    w = _w(8, 64)
+    w[2] *= 40  # rows of very different range: different global scales per row
+    g = torch.stack([global_scale_from_amax(r.abs().max()) for r in w])  # [8, 1]
+    sf = choose_block_scales(w.view(8, 4, 16), g, "global", DEFAULT_CANDIDATES)
+    for i in range(8):
+        _, bs = quantize_nvfp4_search(w[i:i + 1], g[i])
+        assert torch.equal(sf[i].to(torch.float8_e4m3fn).view(torch.uint8), bs[0].view(torch.uint8))
+    assert torch.equal(choose_block_scales(w.view(8, 4, 16), g, "global", RTN),
+                       torch.stack([quantize_nvfp4(w[i:i + 1], g[i])[1][0].float() for i in range(8)]))
