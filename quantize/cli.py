@@ -498,14 +498,13 @@ def _eval_baseline(args: argparse.Namespace) -> str | None:
         return str(build_demo())
     if args.baseline is not None or args.baseline_endpoint:
         return args.baseline
-    from formats.manifest import recorded_source
-    from quantize.data.demo import demo_cache_dir
+    from quantize.data.demo import find_recorded_source
 
     try:
         manifest = json.loads((Path(args.build) / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
-    folder = recorded_source(Path(args.build), manifest, roots=(demo_cache_dir(),))
+    folder = find_recorded_source(Path(args.build), manifest)
     if folder is None:
         return None
     path = str(folder.resolve())
