@@ -51,3 +51,27 @@ def test_verify_finds_a_source_in_the_demo_cache(tiny_fp8_llama, tmp_path, capsy
     assert (f"info: [source] source tiny-demo (the manifest's) is not next to {build}, in the working "
             "directory, in the demo cache or the Hugging Face cache: samples checked for finite values "
             "only (--src SRC compares them with it)") in stdout.splitlines()
+
+
+# ---- 2: a --dataset that looks like a file path and is not there is a missing file ------------
+
+@pytest.mark.parametrize("dataset", ["/missing.jsonl", "calib/set.parquet", "notes.txt", "data.json",
+                                     "./calib", "a/b/c", "~/calib"])
+def test_calibrate_missing_dataset_file_is_named(dataset, tiny_fp8_llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, err = run(capsys, "calibrate", "--src", tiny_fp8_llama, "--dataset", dataset,
+                          "--samples", "2", "--seq-len", "8", "--out", tmp_path / "cal", "--quiet")
+    assert (rc, stdout, err) == (1, "", f"error: --dataset {dataset}: no such file or folder (a local "
+                                        "calibration set is a .jsonl, .jsonl.gz, .json, .parquet, .txt "
+                                        "file or a folder of them)\n")
+    assert not (tmp_path / "cal").exists()
+
+
+def test_hub_dataset_names_are_not_paths(tmp_path, monkeypatch):
+    from calibrate.data import looks_like_path
+
+    monkeypatch.chdir(tmp_path)
+    assert [looks_like_path(d) for d in ("HuggingFaceH4/ultrachat_200k", "org/name:cfg@train", "wikitext",
+                                         "gsm8k")] == [False] * 4
+    (tmp_path / "org").mkdir()  # a folder of that name here: org/name is a path under it
+    assert looks_like_path("org/name") is True
