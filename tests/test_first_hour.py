@@ -75,3 +75,64 @@ def test_hub_dataset_names_are_not_paths(tmp_path, monkeypatch):
                                          "gsm8k")] == [False] * 4
     (tmp_path / "org").mkdir()  # a folder of that name here: org/name is a path under it
     assert looks_like_path("org/name") is True
+
+
+# ---- 3: Ctrl-C of a --workers 2 conversion prints the resume hint, as one process does -------
+
+CTRL_C_AFTER_FIRST_SHARD = '''
+import os
+import signal
+import sys
+
+if os.environ.get("SPARK_QUANT_TEST_CTRL_C"):
+    import formats.manifest as manifest
+
+    _mark = manifest.Ledger.mark
+
+    def mark(self, *args, **kwargs):
+        digest = _mark(self, *args, **kwargs)
+        try:  # one Ctrl-C, from the first process to finish a shard
+            os.close(os.open(os.environ["SPARK_QUANT_TEST_CTRL_C"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return digest
+        os.killpg(0, signal.SIGINT)  # what Ctrl-C does: SIGINT to the whole foreground group
+        # this writer thread writes nothing more until its process stops it (Consumer.close),
+        # so the build cannot finish before the interrupt is handled
+        frame = sys._getframe(1)
+        while frame.f_code.co_name != "_work":
+            frame = frame.f_back
+        frame.f_locals["self"].stop.wait(300)
+        return digest
+
+    manifest.Ledger.mark = mark
+'''
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_ctrl_c_prints_the_resume_hint(workers, glm5_next_src, tmp_path):
+    """Ctrl-C once an output shard is finished (a ``sitecustomize`` on PYTHONPATH sends SIGINT
+    to the process group from the ledger's mark, in whichever process marks first: the one
+    process, or a worker). The parent prints one line naming --resume and the out folder, and
+    exits 130; no worker prints anything, and the build has no manifest."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CTRL_C_AFTER_FIRST_SHARD)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "quantize.cli", "nvfp4", "--src", str(glm5_next_src), "--out", str(out),
+            "--device", "cpu", "--kernel", "reference", "--quiet", "--workers", workers]
+    path = os.pathsep.join(filter(None, [str(hook), str(repo), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, SPARK_QUANT_TEST_CTRL_C=str(tmp_path / "pressed"))
+    p = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       start_new_session=True)
+    assert p.returncode == 130, p.stderr
+    assert re.fullmatch(rf"interrupted: [123] output shard\(s\) are finished in {re.escape(str(out))}; fix the "
+                        r"cause and rerun the same command with --resume to continue\n", p.stderr), p.stderr
+    assert not (out / "spark_quant_manifest.json").exists() and list(out.glob(".spark-quant-progress*"))
+
