@@ -372,6 +372,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(render_check(f))
     if reads.problem:
         print(f"note: scales of {len(reads.read)} shard(s) read from the files: {reads.problem}")
+    print(reads.render(), file=sys.stderr)  # what was read (stdout is the findings and verdict)
     errors = sum(f.level == "error" for f in findings)
     print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {engine} "
           f"TP={tp}{said}")

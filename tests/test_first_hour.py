@@ -136,3 +136,21 @@ def test_ctrl_c_prints_the_resume_hint(workers, glm5_next_src, tmp_path):
                         r"cause and rerun the same command with --resume to continue\n", p.stderr), p.stderr
     assert not (out / "spark_quant_manifest.json").exists() and list(out.glob(".spark-quant-progress*"))
 
+
+# ---- 4: check says what it read: the converter's counts, or (--full) every scale tensor ------
+
+def test_check_says_what_it_read(tiny_fp8_llama, tmp_path, capsys):
+    build = _build(tiny_fp8_llama, tmp_path / "b", capsys)
+    verdict = (f"{build}: 0 error(s), 0 warning(s) for vllm TP=1 (engine and TP as spark_quant_manifest.json "
+               "records; --engine / --tp check another)\n")
+    assert run(capsys, "check", build) == (0, verdict, (
+        "read: the configs, every shard header, the one-element scales; the scale rule's counts of 3 "
+        "shard(s) as the converter recorded them (.spark-quant-stats.json; --full reads every scale "
+        "tensor)\n"))
+    assert run(capsys, "check", build, "--full") == (0, verdict, (
+        "read: the configs, every shard header and every scale tensor (28 scale tensor(s) of 3 shard(s), "
+        "--full); weights are not read (`quantize verify` samples them)\n"))
+    (build / ".spark-quant-stats.json").unlink()  # no counts: every scale tensor is read, and said
+    assert run(capsys, "check", build)[::2] == (0, (
+        "read: the configs, every shard header and every scale tensor (28 scale tensor(s) of 3 shard(s): "
+        "no converter counts in .spark-quant-stats.json)\n"))
