@@ -199,7 +199,7 @@ def _folder(path: str, what: str = "build") -> Path:
 
 
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
-    from formats.manifest import MANIFEST_NAME, resume_hint
+    from formats.manifest import MANIFEST_NAME, already_complete, resume_hint
     from quantize.convert.parallel import current_world, init_from_env
     from quantize.convert.pipeline import convert
 
@@ -221,9 +221,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
             for p in out.iterdir():
                 if p.is_file() and is_temp_name(p.name):
                     p.unlink()
-            print(f"{out} is already complete (it has its {MANIFEST_NAME}): nothing to resume, "
-                  f"the build is kept as it is; `quantize verify {out}` checks it, and a new "
-                  "build needs an empty --out")
+            print(already_complete(out))
         return 0
     if args.method == "gptq" and current_world().size > 1:
         raise SparkQuantError("--method gptq runs in one process (use --workers for the conversion "

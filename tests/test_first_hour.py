@@ -154,3 +154,23 @@ def test_check_says_what_it_read(tiny_fp8_llama, tmp_path, capsys):
     assert run(capsys, "check", build)[::2] == (0, (
         "read: the configs, every shard header and every scale tensor (28 scale tensor(s) of 3 shard(s): "
         "no converter counts in .spark-quant-stats.json)\n"))
+
+
+# ---- 5: pre-flight of an --out that holds a finished build says it is complete ---------------
+
+def test_preflight_of_a_finished_build_says_complete(tiny_fp8_llama, tmp_path, capsys):
+    from formats.manifest import already_complete
+
+    build = _build(tiny_fp8_llama, tmp_path / "b", capsys)
+    complete = (f"{build} is already complete (it has its spark_quant_manifest.json): nothing to resume, "
+                f"the build is kept as it is; `quantize verify {build}` checks it, and a new build needs "
+                "an empty --out")
+    assert already_complete(build) == complete  # the words nvfp4 --resume prints (test_new_user.py)
+    rc, stdout, err = run(capsys, "preflight", tiny_fp8_llama, "--out", build)
+    assert (rc, stdout.splitlines()[1:], err) == (
+        1, [f"error: [output] output folder {build} is not empty: {complete}"], "")
+    rc, stdout, err = run(capsys, "preflight", tiny_fp8_llama, "--out", build, "--resume")
+    assert (rc, stdout.splitlines()[1:], err) == (0, [f"info: [output] {complete}"], "")
+    rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", build, "--device", "cpu", "--quiet")
+    assert (rc, stdout, err) == (1, "", f"error: 1 problem(s) in src:\nerror: [output] output folder {build} "
+                                        f"is not empty: {complete}\n")

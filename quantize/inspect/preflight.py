@@ -30,7 +30,7 @@ import torch
 
 from formats import modelopt
 from formats.checkpoint import carry_plan
-from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
+from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, already_complete, has_ledger
 from formats.shards import DTYPE_BYTES, ShardReader, dtype_name, is_temp_name
 from formats.sources import Source, inspect_source
 from quantize import archs
@@ -225,9 +225,11 @@ def _existing_ancestor(p: Path) -> Path:
 def check_output(out: Path, src: Path, resume: bool, source: Source | None = None,
                  predicted: dict[str, dict] | None = None) -> list[Finding]:
     """Output-folder findings (kind ``output``): the source folder or inside it, not a folder,
-    not empty without ``--resume``, ``--resume`` into a folder that holds no spark-quant
-    build, not writable, or (with ``source`` and ``predicted``) too little free disk for the
-    output shards not yet on disk (``quantize.inspect.budget.check_free_disk``)."""
+    not empty without ``--resume`` (a finished build is said to be complete,
+    ``formats.manifest.already_complete``; with ``--resume`` that is an info finding),
+    ``--resume`` into a folder that holds no spark-quant build, not writable, or (with
+    ``source`` and ``predicted``) too little free disk for the output shards not yet on disk
+    (``quantize.inspect.budget.check_free_disk``)."""
     out, src = Path(out), Path(src)
     f: list[Finding] = []
 
@@ -242,6 +244,12 @@ def check_output(out: Path, src: Path, resume: bool, source: Source | None = Non
         err(f"--out {out} exists and is not a folder")
         return f
     entries = list(out.iterdir()) if out.is_dir() else []
+    if entries and (out / MANIFEST_NAME).is_file():  # a finished build: nothing to resume
+        if resume:
+            f.append(Finding("info", "output", already_complete(out), key=str(out)))
+        else:
+            err(f"output folder {out} is not empty: {already_complete(out)}")
+        return f
     if entries:
         ours = has_ledger(out) or (out / MANIFEST_NAME).exists()
         leftovers = all(is_temp_name(p.name) for p in entries)  # killed before its first rename
