@@ -174,3 +174,30 @@ def test_preflight_of_a_finished_build_says_complete(tiny_fp8_llama, tmp_path, c
     rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", build, "--device", "cpu", "--quiet")
     assert (rc, stdout, err) == (1, "", f"error: 1 problem(s) in src:\nerror: [output] output folder {build} "
                                         f"is not empty: {complete}\n")
+
+
+# ---- 6: upload --dry-run needs no --force; it says what --force would be needed for ----------
+
+def test_upload_dry_run_without_force_says_it_would_refuse(tiny_fp8_llama, tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    build = _build(tiny_fp8_llama, tmp_path / "b", capsys)
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("a dry run called the Hub"))
+    card = ["--base-model", "org/tiny", "--license", "mit"]
+    rc, stdout, err = run(capsys, "upload", build, "--repo", "me/tiny-nvfp4", "--dry-run", *card)
+    assert (rc, err) == (0, "")
+    lines = stdout.splitlines()
+    assert lines[-1] == ("  without --force: would refuse: eval gate not run: no eval report (eval/report.json). "
+                         "Run `quantize eval BUILD --baseline SRC` first, or pass --force to publish anyway "
+                         "(the card will say so)")
+    assert ("> **Published with `--force`:** eval gate not run: no eval report (eval/report.json). Its quality "
+            "has not been confirmed by a release eval gate.") in lines  # the card --force would publish
+    assert "README.md (rendered card, committed with the weights)" in stdout
+    # with --force the same plan, the refusal replaced by what --force does
+    rc, stdout, err = run(capsys, "upload", build, "--repo", "me/tiny-nvfp4", "--dry-run", "--force", *card)
+    assert (rc, stdout.splitlines()[-1], err) == (0, "  --force: not run: no eval report (eval/report.json)", "")
+    # a real upload is still refused without --force, before any Hub call
+    rc, stdout, err = run(capsys, "upload", build, "--repo", "me/tiny-nvfp4", *card)
+    assert (rc, stdout, err) == (1, "", f"error: refusing to upload {build}: eval gate not run: no eval report "
+                                        "(eval/report.json). Run `quantize eval BUILD --baseline SRC` first, or "
+                                        "pass --force to publish anyway (the card will say so)\n")
