@@ -524,7 +524,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         endpoint=args.endpoint, endpoint_model=args.endpoint_model, thresholds=args.thresholds,
         out=args.out, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
         kl_tokens=args.kl_tokens, passkey_lengths=args.passkey_lengths,
-        passkey_depths=args.passkey_depths or EvalOptions.passkey_depths,
+        passkey_depths=args.passkey_depths,
         passkey_trials=args.passkey_trials or (1 if args.limit else EvalOptions.passkey_trials),
         kv_dtypes=tuple(args.kv_dtypes.split(",")),
         kv_scales=args.kv_scales, kv_gsm8k_limit=args.kv_gsm8k_limit)
@@ -715,8 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of kl, gsm8k, mc, passkey, kv-parity (default kl,gsm8k,passkey)")
     e.add_argument("--limit", type=_int_at_least(1),
                    help="first N GSM8K / ARC problems, and passkey at 1024 tokens only (unless "
-                        "--passkey-lengths) with one trial per depth (default all; a limited run "
-                        "is not a release gate)")
+                        "--passkey-lengths) at N depths at most, one trial each (default all; a "
+                        "limited run is not a release gate, and a check with too few samples to "
+                        "decide is not gated)")
     e.add_argument("--device", default="auto", help="cpu, cuda or auto (in-process models)")
     e.add_argument("--endpoint", help="OpenAI-compatible server serving the build (vLLM, SGLang, "
                                       "transformers serve), e.g. http://127.0.0.1:8000")
@@ -730,7 +731,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--passkey-lengths", type=_int_list(1),
                    help="comma list of prompt lengths in tokens (within the model's context)")
     e.add_argument("--passkey-depths", type=_int_list(0, 100),
-                   help="comma list of depths in percent (default 0,25,50,75,100)")
+                   help="comma list of depths in percent (default 0,25,50,75,100; with --limit N "
+                        "at most N of them)")
     e.add_argument("--passkey-trials", type=_int_at_least(1),
                    help="trials per length and depth (default 3; 1 with --limit)")
     e.add_argument("--kv-dtypes", default="bf16,fp8,nvfp4")

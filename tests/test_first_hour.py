@@ -201,3 +201,90 @@ def test_upload_dry_run_without_force_says_it_would_refuse(tiny_fp8_llama, tmp_p
     assert (rc, stdout, err) == (1, "", f"error: refusing to upload {build}: eval gate not run: no eval report "
                                         "(eval/report.json). Run `quantize eval BUILD --baseline SRC` first, or "
                                         "pass --force to publish anyway (the card will say so)\n")
+
+
+# ---- 7: with --limit a check with too few samples is not gated; --limit bounds the grid ------
+
+def _grid(mean, lengths=(1024,), depths=(0, 100), trials=1):
+    """A passkey grid summary (eval.passkey.grid_summary) whose first prompts are missed until
+    ``mean`` of them are right."""
+    from eval.passkey import grid_summary
+
+    cells = [(L, d, k) for L in lengths for d in depths for k in range(trials)]
+    wrong = round(len(cells) * (1 - mean))
+    return {**grid_summary([{"length": L, "depth": d, "trial": k, "tokens": L, "correct": int(i >= wrong)}
+                            for i, (L, d, k) in enumerate(cells)]), "heatmap": "passkey.png"}
+
+
+def _paired(base, test, n, se=0.0):
+    return {"n": n, "base_acc": base, "test_acc": test, "delta": test - base, "se": se}
+
+
+def test_limit_does_not_gate_checks_it_has_too_few_samples_for():
+    from eval.gate import gate_checks, gate_passed, load_thresholds
+
+    t = load_thresholds()
+    # --limit 2: 2 passkey prompts (one miss = 0.5 > 0.10), 2 GSM8K problems (0.5 > 0.02)
+    suites = {"passkey": {"baseline": _grid(1.0), "build": _grid(0.5)},
+              "gsm8k": {"paired": {"flexible-extract": _paired(1.0, 0.0, 2), "strict-match": _paired(1.0, 0.0, 2)}}}
+    checks = {c["name"]: c for c in gate_checks(suites, t, limit=2)}
+    assert {n: (c["passed"], c["severity"], c.get("not_gated")) for n, c in checks.items()} == {
+        "passkey.mean.drop": (False, "not gated", "--limit 2: too few samples (2 prompts: one moves the "
+                                                  "value by 0.5, more than its bound 0.1)"),
+        "gsm8k.flexible-extract.drop": (False, "not gated", "--limit 2: too few samples (2 problems: one "
+                                                            "moves the value by 0.5, more than its bound 0.02)"),
+        "gsm8k.strict-match.drop": (False, "warn", None)}
+    assert gate_passed(list(checks.values()))
+    # the same results without --limit are gated, and fail
+    assert not gate_passed(gate_checks(suites, t))
+    # enough samples under --limit to decide (10 prompts: one moves it by 0.1): gated, and it fails
+    big = {"passkey": {"baseline": _grid(1.0, depths=(0, 25, 50, 75, 100), trials=2),
+                       "build": _grid(0.7, depths=(0, 25, 50, 75, 100), trials=2)}}
+    (c,) = gate_checks(big, t, limit=5)
+    assert (c["name"], c["severity"], "not_gated" in c, gate_passed([c])) == ("passkey.mean.drop", "fail", False, False)
+
+
+def test_eval_limit_exit_code_counts_only_gated_checks(tmp_path, capsys, monkeypatch):
+    """The gate of a --limit 2 run (eval.suite._Run.finish: the report eval writes) whose passkey
+    lost one of its 2 prompts: passkey is not gated, so the run passes, and says why in one line
+    per check; a degenerate-output check it can decide still fails it."""
+    from types import SimpleNamespace
+
+    import eval.suite
+    from eval.gate import load_thresholds
+    from eval.suite import EvalOptions, _Run
+
+    build = tmp_path / "b"
+    build.mkdir()
+    (build / "config.json").write_text("{}")
+
+    def finish(limit, results, completions=()):
+        out = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        run = _Run(EvalOptions(suites=("passkey",), limit=limit), build, build, None, load_thresholds(),
+                   [], [1024], None, False, None, out, out / "tasks", "cpu",
+                   {"build": SimpleNamespace(endpoint_model=None)}, {}, done=["passkey"], results=results,
+                   texts_for_degenerate={"build": [(f"p{i}", c) for i, c in enumerate(completions)]})
+        return run.finish(True)
+
+    lost_one = {"passkey": {"settings": {}, "baseline": _grid(1.0), "build": _grid(0.5)}}
+    report = finish(2, lost_one)
+    monkeypatch.setattr(eval.suite, "run_eval", lambda *a, **k: report)
+    rc, stdout, err = run(capsys, "eval", build, "--suite", "passkey", "--limit", "2")
+    assert (rc, err) == (0, "passkey.mean.drop: 0.5 (limit <= 0.1) not gated (--limit 2: too few samples "
+                            "(2 prompts: one moves the value by 0.5, more than its bound 0.1))\n")
+    assert stdout.splitlines()[-1].startswith("gate: PASSED (not a release gate: --limit 2: ")
+    assert not finish(None, lost_one)["gate"]["passed"]  # no --limit: gated
+    report = finish(2, lost_one, ["the " * 20] * 4)  # 4 completions, all repeats: decided, and failed
+    rc, stdout, err = run(capsys, "eval", build, "--suite", "passkey", "--limit", "2")
+    assert (rc, err.splitlines()[1]) == (1, "FAIL degenerate.rate: 1 (limit <= 0.25, off by 0.75) 4 of 4 "
+                                            "completions degenerate (repeat 4)")
+
+
+def test_limit_bounds_the_passkey_depths():
+    from eval.suite import EvalOptions, _passkey_depths
+
+    assert _passkey_depths(EvalOptions()) == [0, 25, 50, 75, 100]
+    assert [_passkey_depths(EvalOptions(limit=n)) for n in (1, 2, 3, 4, 5, 50)] == [
+        [50], [0, 100], [0, 50, 100], [0, 25, 75, 100], [0, 25, 50, 75, 100], [0, 25, 50, 75, 100]]
+    assert _passkey_depths(EvalOptions(limit=2, passkey_depths=(10, 20, 30))) == [10, 20, 30]
