@@ -207,6 +207,8 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     rank = current_world().rank
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source,
                                            args.source_budget)
+    if args.out is None and not rank:  # the default folder is said before any work
+        print(f"writing to {out if out.is_absolute() else f'./{out}'} (no --out given)", flush=True)
     if args.workers == "auto":
         args.workers = _auto_workers(src, args.device, args.kernel)
     _check_workers(args.workers, src)

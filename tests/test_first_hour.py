@@ -288,3 +288,15 @@ def test_limit_bounds_the_passkey_depths():
     assert [_passkey_depths(EvalOptions(limit=n)) for n in (1, 2, 3, 4, 5, 50)] == [
         [50], [0, 100], [0, 50, 100], [0, 25, 75, 100], [0, 25, 50, 75, 100], [0, 25, 50, 75, 100]]
     assert _passkey_depths(EvalOptions(limit=2, passkey_depths=(10, 20, 30))) == [10, 20, 30]
+
+
+# ---- 8: nvfp4 without --out says where it writes, first -------------------------------------
+
+def test_nvfp4_without_out_says_where_it_writes(tiny_fp8_llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--device", "cpu", "--quiet")
+    assert (rc, stdout.splitlines()[0], err) == (0, "writing to ./src-NVFP4 (no --out given)", "")
+    assert (tmp_path / "src-NVFP4" / "spark_quant_manifest.json").is_file()
+    rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", tmp_path / "o", "--device", "cpu",
+                          "--quiet")
+    assert rc == 0 and "no --out given" not in stdout
