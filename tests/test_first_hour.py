@@ -300,3 +300,60 @@ def test_nvfp4_without_out_says_where_it_writes(tiny_fp8_llama, tmp_path, capsys
     rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", tmp_path / "o", "--device", "cpu",
                           "--quiet")
     assert rc == 0 and "no --out given" not in stdout
+
+
+# ---- 9: a model's config.json without model_type is refused as an unknown one is --------------
+
+MISSING = ("config.json has no model_type key (at the top level or in text_config), so the architecture map "
+           "cannot tell the model (known: llama, mistral, qwen2, qwen3, gemma3_text, mixtral, qwen2_moe, "
+           "qwen3_moe, qwen3_next, deepseek_v2, deepseek_v3, deepseek_v32, glm_moe_dsa, glm5_next, "
+           "glm5_next_text, kimi_linear): which Linears stay high precision would be guessed from tensor "
+           "names; set model_type to the architecture the checkpoint is, or pass --allow-unknown-arch to "
+           "plan it from tensor names alone (embedding, lm_head, router, MTP eh_proj and vision Linears "
+           "stay high precision (found by name); every other 2-D Linear weight follows the recipe; no "
+           "model-specific rule applies (DSA indexer, engine model rules))")
+
+
+@pytest.mark.parametrize("cmd", ["nvfp4", "preflight", "recipe show"])
+def test_missing_model_type_is_refused_unless_accepted(cmd, tiny_fp8_llama, tmp_path, capsys):
+    cfg = json.loads((tiny_fp8_llama / "config.json").read_text())
+    del cfg["model_type"]
+    (tiny_fp8_llama / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    args = {"nvfp4": ["nvfp4", "--src", tiny_fp8_llama, "--out", out, "--device", "cpu", "--quiet"],
+            "preflight": ["preflight", tiny_fp8_llama, "--out", out],
+            "recipe show": ["recipe", "show", "--src", tiny_fp8_llama, "--summary"]}[cmd]
+    rc, stdout, err = run(capsys, *args)
+    if cmd == "nvfp4":
+        assert (rc, stdout, err) == (1, "", f"error: 1 problem(s) in src:\nerror: [config] {MISSING}\n")
+    elif cmd == "preflight":
+        assert (rc, stdout.splitlines()[1:], err) == (1, [f"error: [config] {MISSING}"], "")
+    else:
+        assert (rc, stdout, err) == (1, "", f"error: {MISSING}\n")
+    assert not out.exists()
+    rc, stdout, err = run(capsys, *args, "--allow-unknown-arch")
+    assert (rc, err) == (0, "")
+    assert any(line.endswith("config.json has no model_type; planned from tensor names alone "
+                             "(--allow-unknown-arch): embedding, lm_head, router, MTP eh_proj and vision "
+                             "Linears stay high precision (found by name); every other 2-D Linear weight "
+                             "follows the recipe; no model-specific rule applies (DSA indexer, engine model "
+                             "rules). High precision: 1 embedding; quantized: nvfp4: 8 attention, 6 "
+                             "dense_mlp; other Linear weights left unquantized by the recipe or alignment: 0")
+               for line in stdout.splitlines())
+    if cmd == "nvfp4":
+        rc, stdout, err = run(capsys, "check", out)
+        assert (rc, stdout.splitlines()[0]) == (0, "WARNING [config] config.json: config.json has no model_type: "
+                                                   "checked from tensor names alone (embedding, lm_head, router, "
+                                                   "MTP eh_proj and vision Linears stay high precision (found by "
+                                                   "name); every other 2-D Linear weight follows the recipe; no "
+                                                   "model-specific rule applies (DSA indexer, engine model rules))")
+
+
+def test_a_config_that_describes_no_model_claims_no_architecture():
+    from quantize import archs
+
+    assert [archs.missing_model_type(c) for c in (
+        {}, {"quantization_config": {}}, {"n_routed_experts": 8}, {"hidden_size": 64},
+        {"architectures": ["X"]}, {"text_config": {"num_hidden_layers": 2}},
+        {"text_config": {"num_hidden_layers": 2, "model_type": "llama"}}, {"model_type": "llama", "hidden_size": 8})] == [
+        False, False, False, True, True, True, False, False]

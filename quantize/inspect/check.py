@@ -780,9 +780,8 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
         _check_groups(mods, reader, fmt, out)
         _check_mtp(config, infos, mods, out)
         _check_sensitive(config, mods, infos, engine, out)
-        if (unknown := archs.unknown_model_type(config)) is not None:
-            out.append(Finding("warning", "config", f"model_type {unknown} is not in the "
-                               "architecture map: checked from tensor names alone "
+        if (unknown := archs.unknown_arch(config)) is not None:
+            out.append(Finding("warning", "config", f"{unknown}: checked from tensor names alone "
                                f"({archs.NAME_ONLY_RULES})", "config.json"))
         _check_align(mods, engine, tp, out)
         if engine == "vllm":

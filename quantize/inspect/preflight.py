@@ -174,13 +174,14 @@ def _scale_findings(info, s: torch.Tensor, weight: str) -> list[Finding]:
 
 def _config_findings(config: dict, modules: set[str], allow_unknown_arch: bool = False) -> list[Finding]:
     """Config values of the wrong type (each names its key), a ``model_type`` the
-    architecture map does not know (``archs.unknown_model_type``; an error unless
+    architecture map does not know, or none in a model's config (``archs.unknown_arch``; an error unless
     ``allow_unknown_arch``), and one it does not know for modules whose treatment depends on it
     (the DSA indexer ``weights_proj``, high precision only for ``archs.DSA_MODEL_TYPES``; an
     error whatever the flag)."""
     out = []
-    if (unknown := archs.unknown_model_type(config)) is not None and not allow_unknown_arch:
-        out.append(Finding("error", "config", archs.unknown_arch_message(unknown), key="model_type"))
+    if archs.unknown_arch(config) is not None and not allow_unknown_arch:
+        out.append(Finding("error", "config", archs.unknown_arch_message(archs.unknown_model_type(config)),
+                           key="model_type"))
     for key, message in archs.config_type_errors(config):
         out.append(Finding("error", "config", message, key=key))
     mt = config.get("model_type")
