@@ -108,7 +108,7 @@ def _check(name, value, op, limit, severity, detail=""):
             "severity": severity, "by": by, "detail": detail}
 
 
-def too_few_samples(n: int, bound: float, limit: int | None) -> str | None:
+def too_few_samples(n: int, bound: float, limit: int | None, unit: str = "samples") -> str | None:
     """Why a ``--limit`` run cannot decide a check of ``n`` samples against ``bound``, or None.
 
     One sample moves a rate or an accuracy over ``n`` samples by ``1 / n``. When that step is
@@ -119,16 +119,16 @@ def too_few_samples(n: int, bound: float, limit: int | None) -> str | None:
     the value by 0.2, more than its bound 0.1)"``."""
     if limit is None or n <= 0 or 1 / n <= bound:
         return None
-    return (f"--limit {limit}: too few samples ({n}: one moves the value by {1 / n:.3g}, more than "
-            f"its bound {bound:g})")
+    return (f"--limit {limit}: too few samples ({n} {unit}: one moves the value by {1 / n:.3g}, more "
+            f"than its bound {bound:g})")
 
 
 def _decide(check: dict, n: int, bound: float, limit: int | None, unit: str) -> dict:
     """``check`` as gated, or, when :func:`too_few_samples` says so for a ``fail`` check,
     with severity :data:`NOT_GATED` and the reason in ``not_gated``."""
-    why = too_few_samples(n, bound, limit) if check["severity"] == "fail" else None
+    why = too_few_samples(n, bound, limit, unit) if check["severity"] == "fail" else None
     if why:
-        check["severity"], check["not_gated"] = NOT_GATED, why.replace(f"({n}:", f"({n} {unit}:")
+        check["severity"], check["not_gated"] = NOT_GATED, why
     return check
 
 
