@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from calibrate.data import CalibSet, build_calib_set
+from calibrate.data import CalibSet, build_calib_set, check_dataset
 from formats.calib_stats import CalibStats
 
 __all__ = ["calibrate", "calibrate_sequences", "CalibStats"]
@@ -104,6 +104,7 @@ def calibrate(src: str | Path, dataset: str, *, samples: int = 128, seq_len: int
 
     from quantize import archs
 
+    check_dataset(dataset)  # a missing local file is named before the tokenizer loads
     src = Path(src)
     tok = tokenizer if tokenizer is not None else _tokenizer(src)
     cfg = json.loads((src / "config.json").read_text())

@@ -17,7 +17,9 @@
   Rows carry ``messages`` (chat turns), or ``prompt``/``question`` with an optional
   ``completion``/``response``/``answer``, or ``text``.
 - anything else is a Hugging Face ``datasets`` name, ``NAME[:CONFIG][@SPLIT]`` (needs the
-  ``datasets`` package and a reachable hub; nothing is downloaded unless asked like this).
+  ``datasets`` package and a reachable hub; nothing is downloaded unless asked like this),
+  unless it looks like a file path (:func:`looks_like_path`): that is refused as a missing
+  file, naming it, before any model is loaded (:func:`check_dataset`).
 
 Conversation rows go through the tokenizer's chat template when it has one; text rows are
 tokenized plain and cut into ``seq_len`` windows. Sampling is seeded.
@@ -35,9 +37,11 @@ import torch
 
 from quantize.base.errors import DataError
 
-__all__ = ["BUILTIN", "CalibSet", "load_records", "build_calib_set"]
+__all__ = ["BUILTIN", "CalibSet", "load_records", "build_calib_set", "check_dataset", "looks_like_path"]
 
 BUILTIN = ("gsm8k", "arc", "essays", "random")
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".txt")
+"""Calibration file types read from a local path (:func:`_file_rows`)."""
 _ARC_FILE = "hf_datasets/ai2_arc/ARC-Challenge/validation/data-00000-of-00001.arrow"
 _CALC = re.compile(r"<<[^>]*>>")  # GSM8K calculator annotations "<<16-3-4=9>>"
 
@@ -153,6 +157,32 @@ def _datasets_rows(name: str) -> list[dict]:
     return [_normalise(r, f"{name}:{i}") for i, r in enumerate(ds)]
 
 
+def looks_like_path(dataset: str) -> bool:
+    """Whether ``dataset`` names a local file or folder rather than a Hub dataset: it ends in a
+    calibration file suffix (:data:`FILE_SUFFIXES`), starts with ``/``, ``.`` or ``~``, holds a
+    backslash or more than one ``/``, or its first ``/``-separated part is a folder here. A Hub
+    name ``ORG/NAME[:CONFIG][@SPLIT]`` has one ``/`` and none of these."""
+    name = dataset.split("@", 1)[0].split(":", 1)[0]
+    if dataset.endswith(FILE_SUFFIXES) or name.endswith(FILE_SUFFIXES):
+        return True
+    if dataset.startswith(("/", ".", "~")) or "\\" in dataset or dataset.count("/") > 1:
+        return True
+    return "/" in dataset and Path(dataset.split("/", 1)[0]).is_dir()
+
+
+def check_dataset(dataset: str) -> None:
+    """Refuse, before any model or tokenizer is loaded, a ``dataset`` that looks like a local
+    path (:func:`looks_like_path`) but names no file or folder.
+
+    Raises:
+        DataError: ``--dataset PATH: no such file or folder``.
+    """
+    if dataset in BUILTIN or Path(dataset).exists() or not looks_like_path(dataset):
+        return
+    raise DataError(f"--dataset {dataset}: no such file or folder (a local calibration set is a "
+                    f"{', '.join(FILE_SUFFIXES)} file or a folder of them)")
+
+
 def load_records(dataset: str) -> list[dict]:
     """Rows of ``dataset`` as ``{"id", "messages"}`` or ``{"id", "text"}`` dicts.
 
@@ -160,7 +190,8 @@ def load_records(dataset: str) -> list[dict]:
 
     Raises:
         DataError (a RuntimeError): a built-in set's package is missing (naming the install
-            command), or a ``datasets`` name cannot be loaded.
+            command), a path (:func:`looks_like_path`) names no file, or a ``datasets`` name
+            cannot be loaded.
         ValueError: a local file of an unknown type or with rows lacking every known field.
     """
     if dataset == "gsm8k":
@@ -175,11 +206,11 @@ def load_records(dataset: str) -> list[dict]:
     if p.is_file():
         return _file_rows(p)
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file()
-                       and f.name.endswith((".jsonl", ".jsonl.gz", ".json", ".parquet", ".txt")))
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(FILE_SUFFIXES))
         if not files:
             raise ValueError(f"{p}: no jsonl, json, parquet or txt files inside")
         return [r for f in files for r in _file_rows(f)]
+    check_dataset(dataset)
     return _datasets_rows(dataset)
 
 

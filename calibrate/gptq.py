@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from calibrate.data import CalibSet, build_calib_set
+from calibrate.data import CalibSet, build_calib_set, check_dataset
 from quantize.base.errors import CalibrationError
 from quantize.kernels import resolve_scales
 
@@ -183,6 +183,8 @@ def gptq_calib_set(src: str | Path, *, dataset: str | None = None, calibration: 
     from calibrate import _tokenizer
     from quantize import archs
 
+    if dataset is not None:
+        check_dataset(dataset)  # a missing local file is named before the tokenizer loads
     src = Path(src)
     vocab = archs.text_config(json.loads((src / "config.json").read_text())).get("vocab_size")
     tok = tokenizer if tokenizer is not None else _tokenizer(src)

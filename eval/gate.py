@@ -5,6 +5,10 @@ Every check is a record ``{"name", "value", "op", "limit", "passed", "severity",
 is (positive, in the value's unit). A check of severity ``fail`` that does not pass fails
 the gate; ``warn`` is reported only.
 
+With ``--limit`` a check may rest on too few samples to decide (:func:`too_few_samples`): when
+one sample moves its value by more than its bound, a single sample would pass or fail it, so
+the check is reported with severity ``not gated`` and does not count (``gate_passed``).
+
 A gate that passed is a *release* gate only when its run covered what a release claims
 (:func:`release_scope`): it finished, every problem was scored (no ``--limit``), a baseline
 was compared, and the default suites ran. ``quantize upload`` refuses anything else
@@ -15,11 +19,13 @@ import hashlib
 import tomllib
 from pathlib import Path
 
-__all__ = ["DEFAULT_THRESHOLDS", "RELEASE_SUITES", "load_thresholds", "gate_checks", "gate_passed",
-           "release_scope", "skipped_without_baseline", "degenerate_text"]
+__all__ = ["DEFAULT_THRESHOLDS", "NOT_GATED", "RELEASE_SUITES", "load_thresholds", "gate_checks",
+           "gate_passed", "release_scope", "skipped_without_baseline", "degenerate_text", "too_few_samples"]
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds") / "v1.toml"
 SEVERITIES = ("fail", "warn")
+NOT_GATED = "not gated"
+"""Severity of a ``fail`` check that a ``--limit`` run has too few samples to decide."""
 RELEASE_SUITES = {"in-process": ("kl", "gsm8k", "passkey"), "endpoint": ("gsm8k", "passkey")}
 """Suites a release gate must have run, by how the build was reached (``kl`` needs logits)."""
 
@@ -102,6 +108,35 @@ def _check(name, value, op, limit, severity, detail=""):
             "severity": severity, "by": by, "detail": detail}
 
 
+def too_few_samples(n: int, bound: float, limit: int | None, unit: str = "samples") -> str | None:
+    """Why a ``--limit`` run cannot decide a check of ``n`` samples against ``bound``, or None.
+
+    One sample moves a rate or an accuracy over ``n`` samples by ``1 / n``. When that step is
+    larger than the check's bound (the threshold file's: ``min_drop`` for a paired drop,
+    whose own allowance grows with the noise, ``max_mean_drop``, ``max_rate``...), a single
+    sample decides the check, so it is not gated. A run without ``limit`` is always gated (its
+    sets are the whole sets). Returns e.g. ``"--limit 2: too few samples (5 prompts: one moves
+    the value by 0.2, more than its bound 0.1)"``."""
+    if limit is None or n <= 0 or 1 / n <= bound:
+        return None
+    return (f"--limit {limit}: too few samples ({n} {unit}: one moves the value by {1 / n:.3g}, more "
+            f"than its bound {bound:g})")
+
+
+def _decide(check: dict, n: int, bound: float, limit: int | None, unit: str) -> dict:
+    """``check`` as gated, or, when :func:`too_few_samples` says so for a ``fail`` check,
+    with severity :data:`NOT_GATED` and the reason in ``not_gated``."""
+    why = too_few_samples(n, bound, limit, unit) if check["severity"] == "fail" else None
+    if why:
+        check["severity"], check["not_gated"] = NOT_GATED, why
+    return check
+
+
+def _passkey_n(summary: dict) -> int:
+    """Prompts behind a passkey grid summary (``eval.passkey.grid_summary``)."""
+    return len(summary["lengths"]) * len(summary["depths"]) * summary["trials"]
+
+
 def _drop_check(name, paired, z, min_drop, severity):
     """Build accuracy may fall below baseline by at most max(min_drop, z * paired se)."""
     allowed = max(min_drop, z * paired["se"])
@@ -111,10 +146,10 @@ def _drop_check(name, paired, z, min_drop, severity):
                   f"max({min_drop}, {z} x se))")
 
 
-def _garbage_checks(prefix: str, d: dict, td: dict) -> list[dict]:
+def _garbage_checks(prefix: str, d: dict, td: dict, limit: int | None = None) -> list[dict]:
     """Broken-output checks of one degenerate summary (:func:`eval.degenerate.degenerate_summary`):
     ``degenerate.rate``, ``degenerate.empty.rate``, ``degenerate.same.rate``, all of
-    ``[degenerate] severity``."""
+    ``[degenerate] severity`` (each decided over ``d["n"]`` completions, :func:`_decide`)."""
     out = [_check(f"{prefix}degenerate.rate", d["rate"], "<=", td["max_rate"], td["severity"],
                   degenerate_text(d))]
     if "empty_rate" in d:
@@ -127,11 +162,15 @@ def _garbage_checks(prefix: str, d: dict, td: dict) -> list[dict]:
                           f"{same['prompts']} different prompts of {d['n']} got the same completion "
                           f"{same['text']!r}" if same["prompts"] >= 2 else
                           f"no two different prompts of {d['n']} got the same completion"))
-    return out
+    return [_decide(c, d["n"], c["limit"], limit, "completions") for c in out]
 
 
-def gate_checks(suites: dict, t: dict) -> list[dict]:
-    """Checks for whatever ``suites`` holds (see :func:`eval.suite.run_eval` for the layout)."""
+def gate_checks(suites: dict, t: dict, limit: int | None = None) -> list[dict]:
+    """Checks for whatever ``suites`` holds (see :func:`eval.suite.run_eval` for the layout).
+
+    ``limit``: the run's ``--limit``; a ``fail`` check with too few samples to decide is then
+    of severity :data:`NOT_GATED` (:func:`too_few_samples`; KL rests on ``--kl-tokens``, not
+    on the limit, and is always gated)."""
     checks = []
     kl = suites.get("kl")
     if kl:
@@ -145,21 +184,22 @@ def gate_checks(suites: dict, t: dict) -> list[dict]:
     g = suites.get("gsm8k", {}).get("paired")
     if g:
         tg = t["gsm8k"]
-        checks.append(_drop_check("gsm8k.flexible-extract.drop", g["flexible-extract"], tg["z"],
-                                  tg["min_drop"], tg["flexible_severity"]))
-        checks.append(_drop_check("gsm8k.strict-match.drop", g["strict-match"], tg["z"],
-                                  tg["min_drop"], tg["strict_severity"]))
+        for f in ("flexible-extract", "strict-match"):
+            sev = tg["flexible_severity" if f == "flexible-extract" else "strict_severity"]
+            checks.append(_decide(_drop_check(f"gsm8k.{f}.drop", g[f], tg["z"], tg["min_drop"], sev),
+                                  g[f]["n"], tg["min_drop"], limit, "problems"))
     m = suites.get("mc", {}).get("paired")
     if m:
-        checks.append(_drop_check("mc.acc.drop", m, t["mc"]["z"], t["mc"]["min_drop"],
-                                  t["mc"]["severity"]))
+        checks.append(_decide(_drop_check("mc.acc.drop", m, t["mc"]["z"], t["mc"]["min_drop"],
+                                          t["mc"]["severity"]), m["n"], t["mc"]["min_drop"], limit, "problems"))
     pk = suites.get("passkey")
     if pk and pk.get("baseline"):
-        checks.append(_check("passkey.mean.drop", pk["baseline"]["mean"] - pk["build"]["mean"], "<=",
-                             t["passkey"]["max_mean_drop"], t["passkey"]["severity"],
-                             f"largest length at 100 % over all depths: "
-                             f"{pk['baseline']['max_length_all_depths_100']} -> "
-                             f"{pk['build']['max_length_all_depths_100']}"))
+        checks.append(_decide(_check("passkey.mean.drop", pk["baseline"]["mean"] - pk["build"]["mean"], "<=",
+                                     t["passkey"]["max_mean_drop"], t["passkey"]["severity"],
+                                     f"largest length at 100 % over all depths: "
+                                     f"{pk['baseline']['max_length_all_depths_100']} -> "
+                                     f"{pk['build']['max_length_all_depths_100']}"),
+                              _passkey_n(pk["build"]), t["passkey"]["max_mean_drop"], limit, "prompts"))
     kv = suites.get("kv_parity", {}).get("dtypes", {})
     tk, tg, td = t["kv_parity"], t["gsm8k"], t["degenerate"]
     for d in ("fp8", "nvfp4"):
@@ -186,34 +226,42 @@ def gate_checks(suites: dict, t: dict) -> list[dict]:
                                  f"{d}_severity does not soften it"))
         base_pk = kv.get("bf16", {}).get("passkey")
         if "passkey" in r and base_pk:
-            checks.append(_check(f"kv_parity.{d}.passkey.drop", base_pk["mean"] - r["passkey"]["mean"], "<=",
-                                 tk["max_passkey_drop"], sev))
+            n_pk = _passkey_n(r["passkey"]) if "depths" in r["passkey"] else 0
+            checks.append(_decide(_check(f"kv_parity.{d}.passkey.drop", base_pk["mean"] - r["passkey"]["mean"],
+                                         "<=", tk["max_passkey_drop"], sev),
+                                  n_pk, tk["max_passkey_drop"], limit, "prompts"))
             for L, b_acc, acc in zip(r["passkey"]["lengths"], base_pk.get("length_mean", []),
                                      r["passkey"].get("length_mean", [])):
-                checks.append(_check(f"kv_parity.{d}.passkey.drop@{L}", b_acc - acc, "<=",
-                                     tk["max_passkey_drop"], sev,
-                                     f"mean over depths at {L} tokens: bf16 KV {b_acc:.3f} -> {d} {acc:.3f}"))
+                checks.append(_decide(_check(f"kv_parity.{d}.passkey.drop@{L}", b_acc - acc, "<=",
+                                             tk["max_passkey_drop"], sev,
+                                             f"mean over depths at {L} tokens: bf16 KV {b_acc:.3f} -> {d} {acc:.3f}"),
+                                      n_pk // max(1, len(r["passkey"]["lengths"])), tk["max_passkey_drop"],
+                                      limit, "prompts"))
         gp = r.get("gsm8k_paired")
         if gp:
-            checks.append(_drop_check(f"kv_parity.{d}.gsm8k.flexible-extract.drop", gp["flexible-extract"],
-                                      tg["z"], tg["min_drop"], sev))
-            checks.append(_drop_check(f"kv_parity.{d}.gsm8k.strict-match.drop", gp["strict-match"],
-                                      tg["z"], tg["min_drop"], tg["strict_severity"]))
+            checks.append(_decide(_drop_check(f"kv_parity.{d}.gsm8k.flexible-extract.drop", gp["flexible-extract"],
+                                              tg["z"], tg["min_drop"], sev),
+                                  gp["flexible-extract"]["n"], tg["min_drop"], limit, "problems"))
+            checks.append(_decide(_drop_check(f"kv_parity.{d}.gsm8k.strict-match.drop", gp["strict-match"],
+                                              tg["z"], tg["min_drop"], tg["strict_severity"]),
+                                  gp["strict-match"]["n"], tg["min_drop"], limit, "problems"))
     for d, r in kv.items():  # broken output fails whatever the dtype's severity
         if r.get("degenerate", {}).get("n"):
-            checks += _garbage_checks(f"kv_parity.{d}.", r["degenerate"], td)
+            checks += _garbage_checks(f"kv_parity.{d}.", r["degenerate"], td, limit)
     dg = suites.get("degenerate")
     if dg and dg["build"]["n"]:
-        checks += _garbage_checks("", dg["build"], td)
+        checks += _garbage_checks("", dg["build"], td, limit)
         if dg.get("baseline") and dg["baseline"]["n"]:
-            checks.append(_check("degenerate.increase", dg["build"]["rate"] - dg["baseline"]["rate"],
-                                 "<=", td["max_increase"], td["severity"],
-                                 f"baseline rate {dg['baseline']['rate']:.3f}"))
+            checks.append(_decide(_check("degenerate.increase", dg["build"]["rate"] - dg["baseline"]["rate"],
+                                         "<=", td["max_increase"], td["severity"],
+                                         f"baseline rate {dg['baseline']['rate']:.3f}"),
+                                  min(dg["build"]["n"], dg["baseline"]["n"]), td["max_increase"], limit,
+                                  "completions"))
     return checks
 
 
 def gate_passed(checks: list[dict]) -> bool:
-    """True when no ``fail``-severity check failed."""
+    """True when no ``fail``-severity check failed (a :data:`NOT_GATED` one does not count)."""
     return all(c["passed"] for c in checks if c["severity"] == "fail")
 
 

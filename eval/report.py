@@ -30,10 +30,16 @@ def _num(x) -> str:
 
 
 def gate_lines(report: dict) -> list[str]:
-    """One line per failed check, naming the check and how far past its limit it is."""
+    """One line per failed check, naming the check and how far past its limit it is, and one
+    per check a ``--limit`` run had too few samples to gate (``eval.gate.too_few_samples``),
+    failed or not: ``passkey.mean.drop: 0.5 (limit <= 0.1) not gated (--limit 2: too few
+    samples (...))``."""
     out = []
     for c in report["gate"]["checks"]:
-        if not c["passed"]:
+        if c.get("not_gated"):
+            out.append(f"{c['name']}: {_num(c['value'])} (limit {c['op']} {_num(c['limit'])}) not gated "
+                       f"({c['not_gated']})")
+        elif not c["passed"]:
             out.append(f"{c['severity'].upper()} {c['name']}: {_num(c['value'])} (limit {c['op']} "
                        f"{_num(c['limit'])}, off by {_num(c['by'])}) {c['detail']}".rstrip())
     return out

@@ -74,7 +74,9 @@ class EvalOptions:
     kl_window: int = 512
     passkey_lengths: tuple[int, ...] | None = None
     """Prompt lengths in tokens; default 1k, 2k, 4k, ... up to the model's context (max 32k)."""
-    passkey_depths: tuple[int, ...] = (0, 25, 50, 75, 100)
+    passkey_depths: tuple[int, ...] | None = None
+    """Depths in percent; default :data:`PASSKEY_DEPTHS`, with ``limit`` at most that many of
+    them (:func:`_passkey_depths`)."""
     passkey_trials: int = 3
     passkey_filler: str = "classic"
     kv_dtypes: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
@@ -109,7 +111,8 @@ class EvalOptions:
         if self.passkey_lengths is not None and (not self.passkey_lengths
                                                  or any(n < 1 for n in self.passkey_lengths)):
             raise ValueError(f"--passkey-lengths must be token counts >= 1, got {self.passkey_lengths}")
-        if not self.passkey_depths or any(not 0 <= d <= 100 for d in self.passkey_depths):
+        if self.passkey_depths is not None and (not self.passkey_depths
+                                                or any(not 0 <= d <= 100 for d in self.passkey_depths)):
             raise ValueError(f"--passkey-depths must be percentages 0..100, got {self.passkey_depths}")
         bad = [d for d in self.kv_dtypes if d not in archs.KV_DTYPES]
         if bad or not self.kv_dtypes:
@@ -175,6 +178,24 @@ def _served_model(url: str) -> str:
                       "is the server running?") from None
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         raise OSError(f"endpoint {url}: {base}/models did not list a model ({e})") from None
+
+
+PASSKEY_DEPTHS = (0, 25, 50, 75, 100)
+"""Default passkey depths, percent of the filler before the needle."""
+
+
+def _passkey_depths(opts: EvalOptions) -> list[int]:
+    """``opts.passkey_depths``, or :data:`PASSKEY_DEPTHS`; with ``opts.limit`` N (a bounded run)
+    at most N of them, spread from the first to the last (N=1: the middle one), so
+    ``--limit`` bounds the passkey grid as it bounds GSM8K (docs/eval.md)."""
+    if opts.passkey_depths:
+        return list(opts.passkey_depths)
+    d, n = list(PASSKEY_DEPTHS), opts.limit
+    if n is None or n >= len(d):
+        return d
+    if n == 1:
+        return [d[len(d) // 2]]
+    return [d[round(i * (len(d) - 1) / (n - 1))] for i in range(n)]
 
 
 def _passkey_lengths(model_config: dict, opts: EvalOptions) -> list[int]:
@@ -399,7 +420,7 @@ class _Run:
         if any(self.texts_for_degenerate.values()):
             results["degenerate"] = {name: degenerate_summary([c for _, c in pairs], prompts=[p for p, _ in pairs])
                                      for name, pairs in self.texts_for_degenerate.items()}
-        checks = gate_checks(results, self.thresholds)
+        checks = gate_checks(results, self.thresholds, opts.limit)
         passed = complete and gate_passed(checks)
         scope = {"suites": self.suites, "suites_done": list(self.done), "limit": opts.limit,
                  "baseline": self.baseline_endpoint or (str(base) if base else None), "backend": self.backend,
@@ -480,7 +501,7 @@ def _start(build, baseline, opts: EvalOptions, baseline_endpoint: str | None) ->
     if pre.lengths:
         from eval.passkey import make_prompts
 
-        pk_prompts = make_prompts(tok, pre.lengths, list(opts.passkey_depths), opts.passkey_trials,
+        pk_prompts = make_prompts(tok, pre.lengths, _passkey_depths(opts), opts.passkey_trials,
                                   opts.passkey_filler, opts.seed)
     out = Path(opts.out) if opts.out else pre.build / EVAL_FOLDER
     if out.is_dir():
@@ -570,7 +591,7 @@ def _run_passkey(run: _Run) -> None:
     from eval.passkey import grid_summary, heatmap_png, run_passkey
 
     opts, t0 = run.opts, time.time()
-    r = {"settings": {"lengths": run.lengths, "depths": list(opts.passkey_depths),
+    r = {"settings": {"lengths": run.lengths, "depths": _passkey_depths(opts),
                       "trials": opts.passkey_trials, "filler": opts.passkey_filler,
                       "seed": opts.seed, "chat_template": False}}
     for name, side in run.sides.items():

@@ -53,8 +53,8 @@ from quantize.base.redact import redact_obj, unlocal_obj
 
 __all__ = ["EVAL_FOLDER", "MANIFEST_NAME", "PROGRESS_NAME", "CHECK_STATS_NAME", "Ledger", "file_identity",
            "write_check_stats", "load_check_stats", "fingerprint", "has_ledger",
-           "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint", "source_path",
-           "recorded_source"]
+           "is_ledger_name", "remove_ledgers", "write_manifest", "resume_hint", "already_complete",
+           "source_path", "recorded_source"]
 
 MANIFEST_NAME = "spark_quant_manifest.json"
 EVAL_FOLDER = "eval"
@@ -178,6 +178,15 @@ def resume_hint(out: Path) -> str | None:
         return None
     return (f"{done} output shard(s) are finished in {out}; fix the cause and rerun the same "
             "command with --resume to continue")
+
+
+def already_complete(out: Path) -> str:
+    """What is said of an ``out`` that holds a finished build (its :data:`MANIFEST_NAME`):
+    there is nothing to resume, the build is kept, and a new build needs an empty folder
+    (``quantize nvfp4 --resume`` and pre-flight of such an ``--out``)."""
+    return (f"{out} is already complete (it has its {MANIFEST_NAME}): nothing to resume, the "
+            f"build is kept as it is; `quantize verify {out}` checks it, and a new build needs an "
+            "empty --out")
 
 
 def write_manifest(out: Path, info: dict, digests: dict[str, str] | None = None) -> dict:

@@ -199,7 +199,7 @@ def _folder(path: str, what: str = "build") -> Path:
 
 
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
-    from formats.manifest import MANIFEST_NAME, resume_hint
+    from formats.manifest import MANIFEST_NAME, already_complete, resume_hint
     from quantize.convert.parallel import current_world, init_from_env
     from quantize.convert.pipeline import convert
 
@@ -207,6 +207,8 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     rank = current_world().rank
     src, info, fetcher, out = _resolve_src(args.src, args.out, args.keep_source,
                                            args.source_budget)
+    if args.out is None and not rank:  # the default folder is said before any work
+        print(f"writing to {out if out.is_absolute() else f'./{out}'} (no --out given)", flush=True)
     if args.workers == "auto":
         args.workers = _auto_workers(src, args.device, args.kernel)
     _check_workers(args.workers, src)
@@ -221,9 +223,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
             for p in out.iterdir():
                 if p.is_file() and is_temp_name(p.name):
                     p.unlink()
-            print(f"{out} is already complete (it has its {MANIFEST_NAME}): nothing to resume, "
-                  f"the build is kept as it is; `quantize verify {out}` checks it, and a new "
-                  "build needs an empty --out")
+            print(already_complete(out))
         return 0
     if args.method == "gptq" and current_world().size > 1:
         raise SparkQuantError("--method gptq runs in one process (use --workers for the conversion "
@@ -372,6 +372,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(render_check(f))
     if reads.problem:
         print(f"note: scales of {len(reads.read)} shard(s) read from the files: {reads.problem}")
+    print(reads.render(), file=sys.stderr)  # what was read (stdout is the findings and verdict)
     errors = sum(f.level == "error" for f in findings)
     print(f"{args.build}: {errors} error(s), {len(findings) - errors} warning(s) for {engine} "
           f"TP={tp}{said}")
@@ -498,14 +499,13 @@ def _eval_baseline(args: argparse.Namespace) -> str | None:
         return str(build_demo())
     if args.baseline is not None or args.baseline_endpoint:
         return args.baseline
-    from formats.manifest import recorded_source
-    from quantize.data.demo import demo_cache_dir
+    from quantize.data.demo import find_recorded_source
 
     try:
         manifest = json.loads((Path(args.build) / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
-    folder = recorded_source(Path(args.build), manifest, roots=(demo_cache_dir(),))
+    folder = find_recorded_source(Path(args.build), manifest)
     if folder is None:
         return None
     path = str(folder.resolve())
@@ -526,7 +526,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         endpoint=args.endpoint, endpoint_model=args.endpoint_model, thresholds=args.thresholds,
         out=args.out, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
         kl_tokens=args.kl_tokens, passkey_lengths=args.passkey_lengths,
-        passkey_depths=args.passkey_depths or EvalOptions.passkey_depths,
+        passkey_depths=args.passkey_depths,
         passkey_trials=args.passkey_trials or (1 if args.limit else EvalOptions.passkey_trials),
         kv_dtypes=tuple(args.kv_dtypes.split(",")),
         kv_scales=args.kv_scales, kv_gsm8k_limit=args.kv_gsm8k_limit)
@@ -718,8 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of kl, gsm8k, mc, passkey, kv-parity (default kl,gsm8k,passkey)")
     e.add_argument("--limit", type=_int_at_least(1),
                    help="first N GSM8K / ARC problems, and passkey at 1024 tokens only (unless "
-                        "--passkey-lengths) with one trial per depth (default all; a limited run "
-                        "is not a release gate)")
+                        "--passkey-lengths) at N depths at most, one trial each (default all; a "
+                        "limited run is not a release gate, and a check with too few samples to "
+                        "decide is not gated)")
     e.add_argument("--device", default="auto", help="cpu, cuda or auto (in-process models)")
     e.add_argument("--endpoint", help="OpenAI-compatible server serving the build (vLLM, SGLang, "
                                       "transformers serve), e.g. http://127.0.0.1:8000")
@@ -733,7 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--passkey-lengths", type=_int_list(1),
                    help="comma list of prompt lengths in tokens (within the model's context)")
     e.add_argument("--passkey-depths", type=_int_list(0, 100),
-                   help="comma list of depths in percent (default 0,25,50,75,100)")
+                   help="comma list of depths in percent (default 0,25,50,75,100; with --limit N "
+                        "at most N of them)")
     e.add_argument("--passkey-trials", type=_int_at_least(1),
                    help="trials per length and depth (default 3; 1 with --limit)")
     e.add_argument("--kv-dtypes", default="bf16,fp8,nvfp4")

@@ -36,6 +36,7 @@ __all__ = ["FusedGroupRule", "FUSED_GROUP_RULES", "ROLES", "fused_group_of", "mo
            "expert_of", "is_mla_attention", "moe_layer_indices", "check_layout",
            "MTP_REQUIRED_PARTS", "kv_record_dims", "KV_DTYPES", "KVScaleName", "kv_scale_of",
            "portable_layer_types", "KNOWN_MODEL_TYPES", "unknown_model_type", "unknown_arch_message",
+           "missing_model_type", "unknown_arch",
            "NAME_ONLY_RULES", "CONFIG_INT_KEYS", "config_type_errors"]
 
 KV_DTYPES = ("bf16", "fp8", "nvfp4")
@@ -112,24 +113,53 @@ NAME_ONLY_RULES = ("embedding, lm_head, router, MTP eh_proj and vision Linears s
 """What a plan of an unknown ``model_type`` assumes (the line printed with ``--allow-unknown-arch``)."""
 
 
+MODEL_CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers")
+"""Keys every transformers model config has: a config.json with one of them (top level or in
+``text_config``) describes a model, and must say which (:func:`missing_model_type`)."""
+
+
 def unknown_model_type(config: dict) -> str | None:
     """The ``model_type`` of ``config`` (top level, then ``text_config``) that is present and
     not in :data:`KNOWN_MODEL_TYPES`, as its ``repr``; None when every present one is known.
-    A config with no ``model_type`` at all returns None (nothing claims an architecture: the
-    synthetic checkpoints of the tests, planned by tensor names)."""
+    A config with no ``model_type`` returns None here (:func:`missing_model_type` says whether
+    that is refused)."""
     for cfg in (config, text_config(config)):
         if "model_type" in cfg and cfg["model_type"] not in KNOWN_MODEL_TYPES:
             return repr(cfg["model_type"])
     return None
 
 
-def unknown_arch_message(model_type: str) -> str:
+def missing_model_type(config: dict) -> bool:
+    """True when ``config`` describes a model (one of :data:`MODEL_CONFIG_KEYS`, top level or in
+    ``text_config``) and has no ``model_type`` at either level: as unknown as a ``model_type``
+    the map does not know. A config with none of those keys either (the synthetic checkpoints
+    of the tests, a bare list of tensors) claims no architecture and is planned by tensor names."""
+    levels = (config, text_config(config))
+    return (not any("model_type" in c for c in levels)
+            and any(k in c for c in levels for k in MODEL_CONFIG_KEYS))
+
+
+def unknown_arch(config: dict) -> str | None:
+    """What the architecture map does not know about ``config``, as the start of a sentence
+    (``model_type 'x' is not in the architecture map``, ``config.json has no model_type``), or
+    None when it knows the model (or nothing claims one)."""
+    if (mt := unknown_model_type(config)) is not None:
+        return f"model_type {mt} is not in the architecture map"
+    if missing_model_type(config):
+        return "config.json has no model_type"
+    return None
+
+
+def unknown_arch_message(model_type: str | None) -> str:
     """The refusal of an unknown ``model_type`` (``model_type``: its ``repr``, from
-    :func:`unknown_model_type`): names it and the known ones, and the flag that accepts it."""
-    return (f"config.json model_type {model_type} is not in the architecture map (known: "
-            f"{', '.join(KNOWN_MODEL_TYPES)}): which Linears stay high precision would be guessed "
-            "from tensor names; set model_type to the architecture the checkpoint is, or pass "
-            f"--allow-unknown-arch to plan it from tensor names alone ({NAME_ONLY_RULES})")
+    :func:`unknown_model_type`; None: the key is missing, :func:`missing_model_type`): names it
+    (or the missing key) and the known ones, and the flag that accepts it."""
+    what = (f"config.json model_type {model_type} is not in the architecture map" if model_type is not None
+            else "config.json has no model_type key (at the top level or in text_config), so the "
+                 "architecture map cannot tell the model")
+    return (f"{what} (known: {', '.join(KNOWN_MODEL_TYPES)}): which Linears stay high precision would "
+            "be guessed from tensor names; set model_type to the architecture the checkpoint is, or "
+            f"pass --allow-unknown-arch to plan it from tensor names alone ({NAME_ONLY_RULES})")
 
 
 # ---- roles ---------------------------------------------------------------------------

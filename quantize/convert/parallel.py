@@ -22,7 +22,10 @@ by every worker: rank 0 warms it, the others wait and then load what it compiled
 
 import multiprocessing as mp
 import os
+import signal
 import tempfile
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -210,9 +213,21 @@ def _warm_in_turn(rank: int, warm) -> None:
         warm()
 
 
+STOP_WAIT_S = 10.0
+"""How long an interrupted :func:`spawn_local` waits for its workers to stop on SIGTERM (each
+unwinds as after Ctrl-C, so its ledger and semaphores are left in order) before it kills them."""
+
+
+def _stop(signum, frame) -> None:
+    """A worker's SIGTERM handler: unwind as a Ctrl-C would (the parent sends SIGTERM when it
+    was interrupted, :func:`spawn_local`)."""
+    raise KeyboardInterrupt
+
+
 def _child(rank: int, size: int, store: str, cores: list[int], fn, kwargs: dict, results,
            parent: int, warm) -> None:
     _die_with_parent(parent)
+    signal.signal(signal.SIGTERM, _stop)  # SIGINT is ignored: it was at exec (spawn_local)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
@@ -239,8 +254,14 @@ def spawn_local(workers: int, fn, kwargs: dict, warm=None):
     when given, runs first on rank 0 and then on the others (compile the kernels once, into the
     inductor cache every worker shares).
 
+    Ctrl-C (SIGINT to the whole process group) is this process's alone: the workers start with
+    SIGINT ignored, and on KeyboardInterrupt here each is sent SIGTERM, on which it unwinds as
+    after a Ctrl-C (:data:`STOP_WAIT_S`, then it is killed), before the KeyboardInterrupt goes
+    on to the caller (the CLI prints the resume hint, formats.manifest.resume_hint).
+
     Raises:
-        the lowest rank's exception, or OutputError when a process died without one.
+        the lowest rank's exception, or OutputError when a process died without one;
+        KeyboardInterrupt when interrupted (the workers have stopped).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -253,11 +274,17 @@ def spawn_local(workers: int, fn, kwargs: dict, warm=None):
         # a spawned child inherits this process's environment when it starts: set the thread
         # pools' sizes for it, and put ours back
         saved = {k: os.environ.get(k) for k in worker_env(1)}
+        # and SIGINT ignored: an ignored signal stays ignored across exec, and Python installs
+        # no KeyboardInterrupt handler for it then, so a Ctrl-C reaches only this process
+        main = threading.current_thread() is threading.main_thread()
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             os.environ.update(worker_env(len(slices[0])))
             for p in procs:
                 p.start()
         finally:
+            if main:
+                signal.signal(signal.SIGINT, signal.default_int_handler if sigint is None else sigint)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -275,12 +302,22 @@ def spawn_local(workers: int, fn, kwargs: dict, warm=None):
                         raise OutputError(f"worker {dead[0].name} exited with code "
                                           f"{dead[0].exitcode} without a result; the output "
                                           "has no manifest (run again with --resume)") from None
+        except KeyboardInterrupt:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()  # SIGTERM: the worker unwinds (_stop)
+            deadline = time.monotonic() + STOP_WAIT_S
+            for p in procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+            raise
         finally:
             for p in procs:
                 p.join(timeout=5 if len(got) == workers else 0)
                 if p.is_alive():
                     p.kill()
                     p.join()
+            results.close()
+            results.join_thread()
     for rank in sorted(got):
         if got[rank][0] == "err":
             raise got[rank][1]

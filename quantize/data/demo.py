@@ -19,8 +19,9 @@ from pathlib import Path
 
 from quantize.base.errors import DataError
 
-__all__ = ["DEMO_GGUF_SHA256", "DEMO_GGUF_SHA256_PREFIX", "build_demo", "demo_cache_dir", "demo_gguf_path",
-           "fp8_source_from_gguf"]
+__all__ = ["DEMO_GGUF_SHA256", "DEMO_GGUF_SHA256_PREFIX", "build_demo", "demo_cache_dir",
+           "demo_gguf_path", "find_recorded_source", "fp8_source_from_gguf",
+           "source_places"]
 
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -170,6 +171,23 @@ def fp8_source_from_gguf(gguf: Path, out: Path, n_shards: int = 4) -> Path:
 def demo_cache_dir() -> Path:
     """The parent folder of the demo source: ``$SPARK_QUANT_CACHE`` or ``~/.cache/spark-quant``."""
     return Path(os.environ.get("SPARK_QUANT_CACHE") or Path.home() / ".cache" / "spark-quant")
+
+
+def source_places(build: Path) -> str:
+    """Where :func:`find_recorded_source` looks for the source of ``build``, in the words
+    messages use."""
+    return f"next to {build}, in the working directory, in the demo cache or the Hugging Face cache"
+
+
+def find_recorded_source(build: Path, manifest: dict) -> Path | None:
+    """The source folder the manifest of ``build`` records, found where ``quantize eval`` (its
+    default baseline) and ``quantize verify`` (the source it compares with) both look:
+    ``formats.manifest.recorded_source`` with :func:`demo_cache_dir` as a further root, so a
+    build of the embedded demo finds its source in the demo cache (:func:`source_places`).
+    Returns the resolved folder, or None."""
+    from formats.manifest import recorded_source
+
+    return recorded_source(Path(build), manifest, roots=(demo_cache_dir(),))
 
 
 def build_demo(cache_dir: Path | None = None, n_shards: int = 3, force: bool = False) -> Path:

@@ -7,7 +7,9 @@ Order, so that nothing reaches the Hub before every check has passed:
    problem, against a baseline, with the default suites: ``gate.release``), or ``--force``
    (stated in the card);
 3. the card is rendered and its metadata checked locally (``quantize.hub.card.validate_card``);
-4. ``--dry-run`` stops here and returns the card and the file plan;
+4. ``--dry-run`` stops here and returns the card and the file plan (a gate that would refuse
+   the upload without ``--force`` does not stop a dry run, which sends nothing: the plan says
+   it would refuse, and the card is the one ``--force`` would publish);
 5. the Hub checks the card (``ModelCard.validate``, ``/api/validate-yaml``) — FC-33;
 6. ``create_repo`` (``--private``), ``create_branch`` (``--revision``), then the build's files
    and the card as ``README.md`` in one ``HfApi.create_commit``: the blobs are uploaded first
@@ -63,6 +65,7 @@ class Upload:
     forced: str | None = None
     commit_url: str | None = None
     notes: list[str] = field(default_factory=list)
+    refused: str | None = None  # dry run: why the upload would be refused without --force
 
     def render(self) -> str:
         total = sum(n for _, n in self.files) + len(self.card.encode())
@@ -70,7 +73,9 @@ class Upload:
                  f"files, {total / 2**20:.1f} MiB"]
         lines += [f"  {n:>14,}  {rel}" for rel, n in self.files]
         lines.append(f"  {len(self.card.encode()):>14,}  README.md (rendered card, committed with the weights)")
-        if self.forced:
+        if self.refused:
+            lines.append(f"  without --force: would refuse: {self.refused}")
+        elif self.forced:
             lines.append(f"  --force: {self.forced}")
         lines += [f"  note: {n}" for n in self.notes]
         if self.commit_url:
@@ -112,7 +117,9 @@ def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
         build: a finished ``quantize nvfp4`` output folder.
         repo_id: ``ORG/NAME``; created if missing (``private`` applies then).
         revision: branch to commit to (created from ``main`` if missing); default ``main``.
-        dry_run: check and render only; nothing is sent.
+        dry_run: check and render only; nothing is sent, so a gate that does not allow the
+            upload refuses nothing: ``refused`` says what would be refused without ``force``,
+            and the card is the one ``force`` would publish.
         force: publish although the eval gate is missing, failed, unfinished or partial
             (stated in the card).
         base_model, license: override what the build's provenance says.
@@ -122,24 +129,25 @@ def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
 
     Raises:
         OutputError: the build is unfinished or changed. GateFailed: gate missing, failed,
-        unfinished or not a release gate, without ``force`` (the message says which and what to
-        do). CardError: card metadata invalid, locally or per the Hub (nothing
+        unfinished or not a release gate, without ``force`` or ``dry_run`` (the message says
+        which and what to do). CardError: card metadata invalid, locally or per the Hub (nothing
         uploaded). OutputError: the Hub refused or could not be reached (the message says
         which; re-running resumes).
     """
     build = Path(build)
     info = load_build(build)
     passed, verdict = read_gate(info["report"])
-    if not passed and not force:
-        raise GateFailed(f"refusing to upload {build}: eval gate {verdict}. "
-                         f"{_advice(info['report'])}, or pass --force to publish anyway (the card "
-                         "will say so)", key="gate")
+    refusal = (None if passed or force else
+               f"eval gate {verdict}. {_advice(info['report'])}, or pass --force to publish anyway "
+               "(the card will say so)")
+    if refusal and not dry_run:
+        raise GateFailed(f"refusing to upload {build}: {refusal}", key="gate")
     forced = None if passed else verdict
     card = render_card(build, repo_id, base_model=base_model, license=license, forced=forced,
                        info=info)
     text = str(card)
     validate_card(text)
-    up = Upload(repo_id, revision or "main", text, file_plan(build), forced)
+    up = Upload(repo_id, revision or "main", text, file_plan(build), forced, refused=refusal)
     check_file_sizes(up.files)
     if dry_run:
         return up

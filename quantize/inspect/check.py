@@ -72,7 +72,7 @@ from formats.engines import (
     mixed_moe_schemes,
     model_rules_broken,
 )
-from formats.manifest import load_check_stats
+from formats.manifest import CHECK_STATS_NAME, load_check_stats
 from formats.shards import ShardReader, TensorInfo, read_header
 from quantize import archs
 from quantize.base.errors import Finding
@@ -114,11 +114,33 @@ class ScaleReads:
         read: shards whose scale tensors were read.
         problem: why shards with statistics were read anyway (changed since the build, or
             an unreadable statistics file); None when none were.
+        tensors_read: scale tensors read from the files (the scale rule's reads).
+        full: every scale tensor was to be read (``check_build(full=True)``).
     """
 
     recorded: list[str] = field(default_factory=list)
     read: list[str] = field(default_factory=list)
     problem: str | None = None
+    tensors_read: int = 0
+    full: bool = False
+
+    def render(self) -> str:
+        """One line saying what the check read: configs and every shard header always; the
+        scale rule's scale tensors in full (``--full``, or shards without the converter's
+        counts), or the counts the converter recorded. Weights are never read."""
+        head = "read: the configs, every shard header, the one-element scales"
+        tensors = f"{self.tensors_read} scale tensor(s) of {len(self.read)} shard(s)"
+        if self.full:
+            return (f"read: the configs, every shard header and every scale tensor ({tensors}, "
+                    "--full); weights are not read (`quantize verify` samples them)")
+        if not self.recorded:
+            return (f"read: the configs, every shard header and every scale tensor ({tensors}: "
+                    f"no converter counts in {CHECK_STATS_NAME})")
+        counted = (f"the scale rule's counts of {len(self.recorded)} shard(s) as the converter "
+                   f"recorded them ({CHECK_STATS_NAME}; --full reads every scale tensor)")
+        if self.read:
+            return f"{head} and {tensors}; {counted}"
+        return f"{head}; {counted}"
 
 
 def render_check(f: Finding) -> str:
@@ -657,16 +679,19 @@ def _check_vllm_model(config: dict, infos: dict[str, TensorInfo], mods: dict[str
 
 
 def _check_scales(mods: dict[str, _Module], reader: ShardReader, recorded: dict[str, dict],
-                  out: list) -> None:
+                  out: list, reads: ScaleReads) -> None:
     """The ``scale`` rule (:func:`scale_faults`) on every scale tensor of a quantized module:
     counted by the converter for the shards in ``recorded`` (shard -> record of
-    ``formats.manifest.load_check_stats``), read from the file for the others."""
+    ``formats.manifest.load_check_stats``), read from the file for the others (counted in
+    ``reads.tensors_read``)."""
     for m in mods.values():
         for local in SCALE_NAMES:
             info = m.tensors.get(local)
             if info is None or m.kind == "unquantized":
                 continue
             rec = recorded.get(info.shard)
+            if rec is None:
+                reads.tensors_read += 1
             bad = rec["faults"].get(info.name, 0) if rec is not None else \
                 scale_faults(reader.get(info.shard, info.name))
             if bad and info.dtype == "F8_E4M3":
@@ -696,6 +721,7 @@ def _recorded_scales(folder: Path, infos: dict[str, TensorInfo], full: bool,
     reads.recorded = [s for s in shards if s in kept]
     reads.read = [s for s in shards if s not in kept]
     reads.problem = problem
+    reads.full = full
     return {s: kept[s] for s in reads.recorded}
 
 
@@ -754,16 +780,16 @@ def check_build(folder: str | Path, engine: str = "vllm", tp: int = 1, scan_scal
         _check_groups(mods, reader, fmt, out)
         _check_mtp(config, infos, mods, out)
         _check_sensitive(config, mods, infos, engine, out)
-        if (unknown := archs.unknown_model_type(config)) is not None:
-            out.append(Finding("warning", "config", f"model_type {unknown} is not in the "
-                               "architecture map: checked from tensor names alone "
+        if (unknown := archs.unknown_arch(config)) is not None:
+            out.append(Finding("warning", "config", f"{unknown}: checked from tensor names alone "
                                f"({archs.NAME_ONLY_RULES})", "config.json"))
         _check_align(mods, engine, tp, out)
         if engine == "vllm":
             _check_vllm_model(config, infos, mods, out)
             _check_vllm_kv_scales(config, folder, fmt, infos, out)
         if scan_scales:
-            _check_scales(mods, reader, _recorded_scales(folder, infos, full, reads or ScaleReads()), out)
+            reads = reads if reads is not None else ScaleReads()
+            _check_scales(mods, reader, _recorded_scales(folder, infos, full, reads), out, reads)
     finally:
         reader.close()
     if fmt == "compressed-tensors" and scan_scales:

@@ -30,7 +30,7 @@ import torch
 
 from formats import modelopt
 from formats.checkpoint import carry_plan
-from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, has_ledger
+from formats.manifest import MANIFEST_NAME, PROGRESS_NAME, already_complete, has_ledger
 from formats.shards import DTYPE_BYTES, ShardReader, dtype_name, is_temp_name
 from formats.sources import Source, inspect_source
 from quantize import archs
@@ -174,13 +174,14 @@ def _scale_findings(info, s: torch.Tensor, weight: str) -> list[Finding]:
 
 def _config_findings(config: dict, modules: set[str], allow_unknown_arch: bool = False) -> list[Finding]:
     """Config values of the wrong type (each names its key), a ``model_type`` the
-    architecture map does not know (``archs.unknown_model_type``; an error unless
+    architecture map does not know, or none in a model's config (``archs.unknown_arch``; an error unless
     ``allow_unknown_arch``), and one it does not know for modules whose treatment depends on it
     (the DSA indexer ``weights_proj``, high precision only for ``archs.DSA_MODEL_TYPES``; an
     error whatever the flag)."""
     out = []
-    if (unknown := archs.unknown_model_type(config)) is not None and not allow_unknown_arch:
-        out.append(Finding("error", "config", archs.unknown_arch_message(unknown), key="model_type"))
+    if archs.unknown_arch(config) is not None and not allow_unknown_arch:
+        out.append(Finding("error", "config", archs.unknown_arch_message(archs.unknown_model_type(config)),
+                           key="model_type"))
     for key, message in archs.config_type_errors(config):
         out.append(Finding("error", "config", message, key=key))
     mt = config.get("model_type")
@@ -225,9 +226,11 @@ def _existing_ancestor(p: Path) -> Path:
 def check_output(out: Path, src: Path, resume: bool, source: Source | None = None,
                  predicted: dict[str, dict] | None = None) -> list[Finding]:
     """Output-folder findings (kind ``output``): the source folder or inside it, not a folder,
-    not empty without ``--resume``, ``--resume`` into a folder that holds no spark-quant
-    build, not writable, or (with ``source`` and ``predicted``) too little free disk for the
-    output shards not yet on disk (``quantize.inspect.budget.check_free_disk``)."""
+    not empty without ``--resume`` (a finished build is said to be complete,
+    ``formats.manifest.already_complete``; with ``--resume`` that is an info finding),
+    ``--resume`` into a folder that holds no spark-quant build, not writable, or (with
+    ``source`` and ``predicted``) too little free disk for the output shards not yet on disk
+    (``quantize.inspect.budget.check_free_disk``)."""
     out, src = Path(out), Path(src)
     f: list[Finding] = []
 
@@ -242,6 +245,12 @@ def check_output(out: Path, src: Path, resume: bool, source: Source | None = Non
         err(f"--out {out} exists and is not a folder")
         return f
     entries = list(out.iterdir()) if out.is_dir() else []
+    if entries and (out / MANIFEST_NAME).is_file():  # a finished build: nothing to resume
+        if resume:
+            f.append(Finding("info", "output", already_complete(out), key=str(out)))
+        else:
+            err(f"output folder {out} is not empty: {already_complete(out)}")
+        return f
     if entries:
         ours = has_ledger(out) or (out / MANIFEST_NAME).exists()
         leftovers = all(is_temp_name(p.name) for p in entries)  # killed before its first rename

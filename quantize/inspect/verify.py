@@ -39,7 +39,6 @@ from formats.manifest import (
     fingerprint,
     has_ledger,
     is_ledger_name,
-    recorded_source,
 )
 from formats.shards import (
     ShardReader,
@@ -50,6 +49,7 @@ from formats.shards import (
 )
 from formats.sources import Source, inspect_source
 from quantize.base.errors import Finding, SourceError, SparkQuantError, render_findings
+from quantize.data.demo import find_recorded_source, source_places
 from quantize.kernels.nvfp4 import dequantize_nvfp4
 
 __all__ = ["VerifyReport", "verify"]
@@ -349,11 +349,11 @@ def verify(build: str | Path, src: str | Path | None = None, rows: int = 4) -> V
         return rep
     _check_layout(writer, manifest, infos, rep)
     rep.findings += _engine_checks(build, manifest)
-    src = Path(src) if src else recorded_source(build, manifest)
+    src = Path(src) if src else find_recorded_source(build, manifest)
     if src is None and (manifest.get("source") or {}).get("path"):
         rep.add("info", "source", f"source {manifest['source']['path']} (the manifest's) is not "
-                f"next to {build}, in the working directory or the Hugging Face cache: samples "
-                "checked for finite values only (--src SRC compares them with it)")
+                f"{source_places(build)}: samples checked for finite "
+                "values only (--src SRC compares them with it)")
     source = _open_matching_source(src, manifest, rep) if src is not None else None
     try:
         _sample(build, writer, manifest, infos, source, rows, rep)

@@ -110,15 +110,16 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
         tp: tensor-parallel size the build will be served with (per-shard alignment).
         engine: whose alignment rules apply (``formats.engines.ENGINES``).
         allow_unknown_arch: plan a ``model_type`` the architecture map does not know
-            (``archs.unknown_model_type``) from tensor names alone (``archs.NAME_ONLY_RULES``;
-            :func:`arch_assumption` states the result).
+            (``archs.unknown_arch``: an unknown one, or none in a model's config) from tensor
+            names alone (``archs.NAME_ONLY_RULES``; :func:`arch_assumption` states the result).
 
     Returns:
         logical tensor name -> Decision, for every tensor the source has.
 
     Raises:
         SourceError: a config count or size of the wrong type (``archs.config_type_errors``,
-            ``key`` names it), or the config's ``model_type`` is not in ``archs.KNOWN_MODEL_TYPES`` and
+            ``key`` names it), or the config's ``model_type`` is not in ``archs.KNOWN_MODEL_TYPES``
+            (or a model's config has none, ``archs.missing_model_type``) and
             ``allow_unknown_arch`` is false (``key`` ``model_type``; the message names the known
             ones and the flag).
         RecipeError: the recipe splits a fused group (names the group and each member's
@@ -130,8 +131,8 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
     config = source.config
     if bad := archs.config_type_errors(config):
         raise SourceError(bad[0][1], key=bad[0][0])
-    if (mt := archs.unknown_model_type(config)) is not None and not allow_unknown_arch:
-        raise SourceError(archs.unknown_arch_message(mt), key="model_type")
+    if archs.unknown_arch(config) is not None and not allow_unknown_arch:
+        raise SourceError(archs.unknown_arch_message(archs.unknown_model_type(config)), key="model_type")
     names = set(source.tensors)
     modules = {m for n in names if (m := module_of(n)) is not None}
     out: dict[str, Decision] = {}
@@ -180,11 +181,11 @@ def plan_tensors(source: Source, recipe: Recipe, *, tp: int = 1, engine: str = "
 
 def arch_assumption(config: dict, decisions: dict[str, Decision]) -> str | None:
     """The one line stating what a plan of an unknown ``model_type`` assumed
-    (``archs.unknown_model_type``; None for a known one): the name-only rules, then the Linear
+    (``archs.unknown_arch``; None for a known one): the name-only rules, then the Linear
     weights kept high precision per sensitive role and those quantized per target and role,
     counted from ``decisions``."""
-    mt = archs.unknown_model_type(config)
-    if mt is None:
+    what = archs.unknown_arch(config)
+    if what is None:
         return None
     kept: dict[str, int] = {}
     quant: dict[str, dict[str, int]] = {}
@@ -204,7 +205,7 @@ def arch_assumption(config: dict, decisions: dict[str, Decision]) -> str | None:
         return ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"
 
     q = "; ".join(f"{t}: {counts(c)}" for t, c in sorted(quant.items())) or "none"
-    return (f"model_type {mt} is not in the architecture map; planned from tensor names alone "
+    return (f"{what}; planned from tensor names alone "
             f"(--allow-unknown-arch): {archs.NAME_ONLY_RULES}. High precision: {counts(kept)}; "
             f"quantized: {q}; other Linear weights left unquantized by the recipe or alignment: {other}")
 

@@ -184,13 +184,13 @@ def test_gate_refusal_and_force(build, tmp_path, capsys):
     (missing / "eval" / "report.json").unlink()
     with pytest.raises(GateFailed, match=r"eval gate not run: no eval report \(eval/report.json\)\. "
                                          r"Run `quantize eval BUILD --baseline SRC` first, or pass --force"):
-        upload_build(missing, "me/x", dry_run=True)
+        upload_build(missing, "me/x")  # refused before any Hub call
     failed = tmp_path / "failed"
     shutil.copytree(build, failed)
     (failed / "eval" / "report.json").write_text(json.dumps(
         {**REPORT, "gate": {"passed": False, "release": False, "reason": "kl.mean_kl 0.31 (limit <= 0.05)"},
          "results": {}}))
-    assert cli.main(["upload", str(failed), "--repo", "me/x", "--dry-run"]) == 1
+    assert cli.main(["upload", str(failed), "--repo", "me/x"]) == 1
     err = capsys.readouterr().err
     assert (f"refusing to upload {failed}: eval gate failed: kl.mean_kl 0.31 (limit <= 0.05). The build "
             "failed its checks (see eval/report.md)") in err and "Run the eval" not in err
@@ -216,7 +216,7 @@ def test_partial_or_unfinished_gate_is_not_a_release(build, tmp_path, capsys):
         {**REPORT, "scope": scope, "gate": {"passed": True, "release": False, "reason": "all checks within thresholds"},
          "results": {"gsm8k": {"exact_match,strict-match": 0.0, "dataset": {"type": "gsm8k", "split": "test[:3]"}}}}))
     with pytest.raises(GateFailed) as e:
-        upload_build(partial, "me/x", dry_run=True)
+        upload_build(partial, "me/x")
     assert (f"eval gate passed on a partial run, not a release gate ({'; '.join(why)}). Re-run `quantize "
             "eval` as a release gate (every problem, no --limit; --baseline; the default suites), or pass "
             "--force") in str(e.value)
@@ -234,7 +234,7 @@ def test_partial_or_unfinished_gate_is_not_a_release(build, tmp_path, capsys):
         {**REPORT, "complete": False, "gate": {"passed": False, "release": False, "reason": reason}}))
     with pytest.raises(GateFailed, match=r"eval gate incomplete: the evaluation did not finish \(suites done: "
                                          r"kl; not done: gsm8k, passkey\)\. Re-run `quantize eval` to the end"):
-        upload_build(cut, "me/x", dry_run=True)
+        upload_build(cut, "me/x")
 
 
 def test_unfinished_build_is_refused(build, tmp_path):
