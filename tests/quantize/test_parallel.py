@@ -236,15 +236,18 @@ def test_workers_die_with_a_killed_parent(moe, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     parent = subprocess.Popen([sys.executable, "-m", "quantize.cli", "nvfp4", "--src", str(src),
                                "--out", str(out), "--workers", "2", "--quiet"], env=env, cwd=ROOT)
-    deadline = time.time() + 60
+    # kill once both workers run their ranks: each rank's ledger is written when its rank starts,
+    # after the worker asked the kernel for PR_SET_PDEATHSIG (a worker still importing torch
+    # has not, and leaves only after its imports: a loaded machine made that race a failure)
+    ledgers = [out / f".spark-quant-progress.rank{r}.json" for r in (0, 1)]
+    deadline = time.time() + 300
     workers: list[int] = []
     while time.time() < deadline and parent.poll() is None:
-        kids = _children(parent.pid)
-        workers = [k for k in kids if "spawn_main" in _cmdline(k)]
-        if len(workers) >= 2:
+        workers = [k for k in _children(parent.pid) if "spawn_main" in _cmdline(k)]
+        if len(workers) >= 2 and all(p.exists() for p in ledgers):
             break
         time.sleep(0.05)
-    if parent.poll() is not None or len(workers) < 2:
+    if parent.poll() is not None or len(workers) < 2 or not all(p.exists() for p in ledgers):
         pytest.skip(f"the build finished before its workers could be seen ({parent.poll()}, {workers})")
     parent.send_signal(signal.SIGKILL)
     parent.wait()
