@@ -59,6 +59,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -336,7 +337,10 @@ class Bench:
         """``quantize calibrate`` of the calibration set (once; timed once, charged to each row using it)."""
         if self.stats is None:
             a = self.a
-            stats = self.work / f"stats-{a.calib_samples}x{a.calib_seq_len}"
+            # keyed by everything that makes the set: a rerun with another --calib-dataset, count,
+            # length or seed must not take the statistics of the last one
+            slug = re.sub(r"[^A-Za-z0-9._-]+", "_", a.calib_dataset).strip("_")
+            stats = self.work / f"stats-{slug}-{a.calib_samples}x{a.calib_seq_len}-seed{a.seed}"
             if not (stats / "calibration.json").is_file() or a.rebuild:
                 shutil.rmtree(stats, ignore_errors=True)
                 with Timer() as t:
@@ -360,7 +364,8 @@ class Bench:
         rec = {"row": row}
         out = self.work / f"build-{row}"
         done = out / "qbench_build.json"
-        if done.is_file() and not a.rebuild:
+        prev_label = json.loads(done.read_text()).get("calibration", "none") if done.is_file() else None
+        if done.is_file() and not a.rebuild and prev_label in ("none", self.calib_label):
             rec.update(json.loads(done.read_text()))
             rec["reused_build"] = True
             self.builds[row] = out
