@@ -364,6 +364,17 @@ def test_corrupt_byte_is_fetched_again_then_named(tmp_path):
         assert not [p for p in blobs.iterdir() if p.name.startswith(sha)]
 
 
+
+def _cache_emptied_and_local_build(src: Path, hf_home: Path, out: Path, ref: Path) -> None:
+    """After a streamed multi-rank build: no source blob left in the cache, no Hub state file
+    in the build, and the build byte for byte the local one."""
+    sha = {hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
+    assert not sha & {p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir()}
+    assert not list(out.glob(".spark-quant-hub*"))
+    convert(src, ref, progress=False, device="cpu")
+    for name in [*SHARDS, "config.json", "model.safetensors.index.json"]:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+
 def test_two_workers_from_the_hub_equal_a_local_build(tmp_path):
     src = layered_fp8(tmp_path / "src")
     hf_home, out = tmp_path / "hf", tmp_path / "out"
@@ -378,13 +389,7 @@ def test_two_workers_from_the_hub_equal_a_local_build(tmp_path):
         # is deleted at the end.
         assert sorted(_full_gets(hub.log)) == SHARDS
     assert "deleted after use" in stdout
-    sha = {hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
-    assert not sha & {p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir()}
-    assert not list(out.glob(".spark-quant-hub*"))
-    ref = tmp_path / "ref"
-    convert(src, ref, progress=False, device="cpu")
-    for name in [*SHARDS, "config.json", "model.safetensors.index.json"]:
-        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    _cache_emptied_and_local_build(src, hf_home, out, tmp_path / "ref")
 
 
 def test_partner_read_after_its_converter_released_it_is_not_fetched_again(tmp_path):
@@ -414,13 +419,7 @@ def test_partner_read_after_its_converter_released_it_is_not_fetched_again(tmp_p
             f"passed.0.{SHARDS[2]}", f"passed.1.{SHARDS[0]}"]
         assert sorted(_full_gets(hub.log)) == SHARDS
     assert "deleted after use" in r.stdout
-    sha = {hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
-    assert not sha & {p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir()}
-    assert not list(out.glob(".spark-quant-hub*"))
-    ref = tmp_path / "ref"
-    convert(src, ref, progress=False, device="cpu")
-    for name in [*SHARDS, "config.json", "model.safetensors.index.json"]:
-        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    _cache_emptied_and_local_build(src, hf_home, out, tmp_path / "ref")
 
 
 def test_torchrun_two_ranks_from_the_hub_equal_a_local_build(tmp_path):
@@ -442,13 +441,7 @@ def test_torchrun_two_ranks_from_the_hub_equal_a_local_build(tmp_path):
         assert [e["file"] for e in hub.log if e.get("file") == "config.json" and e.get("full")
                 ] == ["config.json"]  # rank 0 alone resolved and listed the repo
     assert r.stdout.count("deleted after use") == 1  # rank 0 reports, rank 1 stays quiet
-    sha = {hashlib.sha256((src / s).read_bytes()).hexdigest() for s in SHARDS}
-    assert not sha & {p.name for p in (hf_home / "hub/models--org--tiny-fp8/blobs").iterdir()}
-    assert not list(out.glob(".spark-quant-hub*"))
-    ref = tmp_path / "ref"
-    convert(src, ref, progress=False, device="cpu")
-    for name in [*SHARDS, "config.json", "model.safetensors.index.json"]:
-        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    _cache_emptied_and_local_build(src, hf_home, out, tmp_path / "ref")
 
 
 # A child process that opens the Hub source with a budget of one shard and plans two: shard 1
