@@ -33,6 +33,7 @@ without a clear error, or a Hub repo showed weights without their card.
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -41,6 +42,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,7 +251,7 @@ class Soak:
         (self.hook / "sitecustomize.py").write_text(HOOK)
         self.src = work / "src"
         self.rows: list[Row] = []
-        self.n = 0
+        self.ids = itertools.count(1)
 
     # ---- running quantize ----------------------------------------------------------------
     def env(self, fault: dict | None = None, extra: dict | None = None) -> dict:
@@ -276,8 +279,7 @@ class Soak:
         return self.quantize(args, fault)
 
     def fault(self, out: Path, stage: str, n: int, action: str, **kw) -> dict:
-        self.n += 1
-        counter = self.work / "counters" / f"c{self.n}"
+        counter = self.work / "counters" / f"c{next(self.ids)}"  # next(): safe across threads
         counter.parent.mkdir(exist_ok=True)
         return {"out": str(out), "src": str(kw.pop("src", self.src)), "stage": stage, "n": n,
                 "action": action, "counter": str(counter), **kw}
@@ -325,7 +327,7 @@ class Soak:
             row.ok = False
             row.notes.append(f"expected a first line starting {first!r}")
 
-    def kill(self, stage: str, n: int, workers: int) -> None:
+    def kill(self, stage: str, n: int, workers: int) -> Row:
         out = self.work / f"kill-{stage}-{n}-w{workers}"
         f = self.fault(out, stage, n, "kill")
         rc, err = self.nvfp4(out, workers, fault=f)
@@ -338,12 +340,12 @@ class Soak:
             (out / ".tmpK9x2Qa").write_bytes(b"\0" * 999)
             row.notes.append(f"{sum(1 for p in out.glob('*.safetensors'))} shards on disk")
         self._resume_and_compare(row, out, workers, {-signal.SIGKILL}, None)
-        self.rows.append(row)
+        return row
 
-    def disk_full(self, stage: str, n: int, workers: int, mount) -> None:
+    def disk_full(self, stage: str, n: int, workers: int, mount) -> Row | None:
         fs = mount(f"full-{stage}-{n}", 64 << 20)
         if fs is None:
-            return
+            return None
         out = fs / "out"
         f = self.fault(out, stage, n, "fill", fill=str(fs))
         rc, err = self.nvfp4(out, workers, fault=f)
@@ -363,9 +365,9 @@ class Soak:
             row.notes.append("expected ENOSPC named and the resume hint as last line")
         (fs / "ballast").unlink(missing_ok=True)
         self._resume_and_compare(row, out, workers, {0, 1}, "error: " if rc else "")
-        self.rows.append(row)
+        return row
 
-    def source_change(self, mode: str, n: int, workers: int) -> None:
+    def source_change(self, mode: str, n: int, workers: int) -> Row:
         """Change the shard opened at the k-th read event of the run (just before that open),
         restore it, resume."""
         src = self.work / f"src-{mode}-{n}"
@@ -386,7 +388,7 @@ class Soak:
         eq = compare_build(self.ref, out) if rc2 == 0 else f"NO (resume failed: {first_line(err2)})"
         row.equal = eq
         row.ok = row.ok and rc2 == 0 and eq == "yes"
-        self.rows.append(row)
+        return row
 
     def pick(self, stage: str, k: int | None = None) -> list[int]:
         total = self.census.get(stage, 0)
@@ -619,57 +621,106 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma list of kill, disk, source, download, upload")
     ap.add_argument("--single", type=int, default=1,
                     help="kill points per stage also run with one process (default 1)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="local faults (kill, source change) run this many at a time (default 1)")
     ap.add_argument("--work", type=Path, help="work folder (default: a temp folder, removed)")
     return ap.parse_args(argv)
 
 
 def soak_rows(a: argparse.Namespace, work: Path) -> list[Row]:
-    """Run the soak ``a`` describes in ``work``; the table's rows."""
+    """Run the soak ``a`` describes in ``work``; the table's rows, in the same order whatever
+    ``a.jobs``. With ``--jobs J`` the local faults (kill, source change) run J at a time: each
+    has its own output folder, counter and process group, and its point is an event of its own
+    run, so running beside another changes no point and no outcome (only the wall time: each
+    faulted run spends most of its time importing torch in the parent and in each worker,
+    leaving a core idle). Disk-full faults (shared tmpfs mounts) and the Hub faults run alone."""
     faults, stages = set(a.faults.split(",")), [s for s in a.stages.split(",") if s]
     mounts = Mounts(work / "mnt")
+    printing = threading.Lock()
     try:
         soak = Soak(work, a.shards, a.workers, a.seed, a.points)
         soak.build_source()
         census = soak.references()
         print(f"source: {a.shards} shards; events of an uninterrupted --workers {a.workers} run: "
               + ", ".join(f"{s} {census.get(s, 0)}" for s in STAGES), flush=True)
-        def guarded(what, fn, *args):
-            n = len(soak.rows)
-            try:
-                fn(*args)
-            except Exception as e:  # a broken case is a failed row, the soak goes on
-                soak.rows.append(Row(what, "soak error", "-", "-", f"{type(e).__name__}: {e}",
-                                     "-", "-", False))
-            for r in soak.rows[n:]:
-                print(render([r]).splitlines()[-1], flush=True)
 
+        def guarded(what, fn, *args) -> list[Row]:
+            try:
+                got = fn(*args)
+                rows = [] if got is None else [got]
+            except Exception as e:  # a broken case is a failed row, the soak goes on
+                rows = [Row(what, "soak error", "-", "-", f"{type(e).__name__}: {e}", "-", "-",
+                            False)]
+            with printing:
+                for r in rows:
+                    print(render([r]).splitlines()[-1], flush=True)
+            return rows
+
+        # every point is drawn here, in one order, before anything runs: the seed alone sets them
+        early, late = [], []  # [(may run beside others, () -> rows)], before / after the Hub
         if "source" in faults:
             reads = soak.census.get("read", 0)
             for mode in ("truncate", "rewrite", "replace"):
                 # a read event past pre-flight's header reads: the converter's own reading
                 for n in sorted(soak.rng.sample(range(reads // 2 + 1, reads + 1), 1)):
-                    guarded("read", soak.source_change, mode, n, a.workers)
+                    early.append((True, lambda mode=mode, n=n: guarded(
+                        "read", soak.source_change, mode, n, a.workers)))
         if "download" in faults or "upload" in faults:
             box = {}
-            guarded("download", lambda: box.update(ref=hub_download(
-                soak, a.points if "download" in faults else 0, mounts)))
-            if "upload" in faults and "ref" in box:
-                guarded("upload", hub_upload, soak, box["ref"], a.points)
+
+            def hub() -> list[Row]:  # its functions add their rows to soak.rows
+                n = len(soak.rows)
+                errors = guarded("download", lambda: box.update(ref=hub_download(
+                    soak, a.points if "download" in faults else 0, mounts)))
+                if "upload" in faults and "ref" in box:
+                    errors += guarded("upload", hub_upload, soak, box["ref"], a.points)
+                got = soak.rows[n:]
+                del soak.rows[n:]
+                with printing:
+                    for r in got:
+                        print(render([r]).splitlines()[-1], flush=True)
+                return got + errors
+
+            # the Hub draws its points from the seed as it runs: it runs before later draws
+            soak.rows += run_tasks(early, a.jobs) + hub()
+            early = []
         for stage in stages:
             if "kill" in faults:
                 for n in soak.pick(stage):
-                    guarded(stage, soak.kill, stage, n, a.workers)
+                    late.append((True, lambda stage=stage, n=n: guarded(
+                        stage, soak.kill, stage, n, a.workers)))
                 for n in soak.pick(stage, a.single) if a.workers > 1 else []:
-                    guarded(stage, soak.kill, stage, n, 1)
+                    late.append((True, lambda stage=stage, n=n: guarded(
+                        stage, soak.kill, stage, n, 1)))
             if "disk" in faults:
-                for n in soak.pick(stage, 1):
-                    guarded(stage, soak.disk_full, stage, n, a.workers, mounts)
-                if mounts.reason:
-                    soak.rows.append(Row(stage, "disk full", "-", "-", f"skipped: {mounts.reason}",
-                                         "-", "-", True))
+                picks = soak.pick(stage, 1)
+
+                def disk(stage=stage, picks=picks) -> list[Row]:
+                    rows = [r for n in picks
+                            for r in guarded(stage, soak.disk_full, stage, n, a.workers, mounts)]
+                    if mounts.reason:
+                        rows.append(Row(stage, "disk full", "-", "-", f"skipped: {mounts.reason}",
+                                        "-", "-", True))
+                    return rows
+                late.append((False, disk))
+        soak.rows += run_tasks(early + late, a.jobs)
         return soak.rows
     finally:
         mounts.close()
+
+
+def run_tasks(tasks: list, jobs: int) -> list[Row]:
+    """Run ``tasks`` [(may run beside others, () -> rows)]: those that may, ``jobs`` at a
+    time, the others alone after them; the rows in the tasks' order."""
+    out: list[list[Row] | None] = [None] * len(tasks)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {i: pool.submit(fn) for i, (shared, fn) in enumerate(tasks) if shared}
+        for i, f in futures.items():
+            out[i] = f.result()
+    for i, (shared, fn) in enumerate(tasks):
+        if not shared:
+            out[i] = fn()
+    return [r for rows in out for r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""``quantize eval`` end to end on the demo build (CI): kl + 5-problem GSM8K + a small passkey
+"""``quantize eval`` end to end on the demo build (CI): kl + 3-problem GSM8K + a small passkey
 grid + ARC, the report's structure, and a build with one corrupted fused-group global scale
 (FC-06) failing the gate."""
 
@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from quantize.cli import main
 
-FAST = ["--limit", "5", "--max-gen-toks", "32", "--kl-tokens", "512", "--passkey-lengths", "160,320",
+FAST = ["--limit", "3", "--max-gen-toks", "16", "--kl-tokens", "512", "--passkey-lengths", "160,320",
         "--passkey-depths", "0,100", "--passkey-trials", "1", "--batch-size", "5", "--device", "cpu"]
 
 
@@ -29,14 +29,14 @@ def demo_report(demo_build, demo_src, tmp_path_factory):
 def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, demo_src, tmp_path):
     rc, out, r = demo_report
     assert rc == 0 and r["gate"]["passed"]
-    # --limit 5: the checks passed, but this is no release gate (quantize upload refuses it)
+    # --limit 3: the checks passed, but this is no release gate (quantize upload refuses it)
     assert r["gate"]["release"] is False and r["scope"]["release"] is False
-    assert r["scope"]["not_release"] == ["--limit 5: only the first 5 problems of each set were scored"]
-    assert r["scope"]["limit"] == 5 and r["scope"]["baseline"] == demo_src.name  # published: no local path
+    assert r["scope"]["not_release"] == ["--limit 3: only the first 3 problems of each set were scored"]
+    assert r["scope"]["limit"] == 3 and r["scope"]["baseline"] == demo_src.name  # published: no local path
     assert r["scope"]["suites_done"] == ["kl", "gsm8k", "mc", "passkey"]
-    assert r["scope"]["n"] == {"kl": {"n": 511, "unit": "tokens"}, "gsm8k": {"n": 5, "unit": "problems"},
-                               "mc": {"n": 5, "unit": "problems"}, "passkey": {"n": 4, "unit": "prompts"}}
-    assert r["results"]["gsm8k"]["dataset"]["split"] == "test[:5]"
+    assert r["scope"]["n"] == {"kl": {"n": 511, "unit": "tokens"}, "gsm8k": {"n": 3, "unit": "problems"},
+                               "mc": {"n": 3, "unit": "problems"}, "passkey": {"n": 4, "unit": "prompts"}}
+    assert r["results"]["gsm8k"]["dataset"]["split"] == "test[:3]"
     assert r["warnings"] == [] and r["gate"]["skipped"] == []
     # the folder holds exactly what the report lists (the stale heatmap is gone, notes.txt kept)
     present = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
@@ -59,12 +59,12 @@ def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, de
             "mc.acc.drop", "passkey.mean.drop", "degenerate.rate"} <= names
     md = (out / "report.md").read_text()
     assert "**Gate: PASSED**" in md and "**Not a release gate**" in md and "-0 " not in md
-    assert "Note: 5 problems are too few to judge accuracy by" in md
+    assert "Note: 3 problems are too few to judge accuracy by" in md
     # quantize upload reads this report: its verdict and the card's model-index numbers.
     from quantize.hub.card import read_gate, render_card
 
-    assert read_gate(r) == (False, "passed on a partial run, not a release gate (--limit 5: only the "
-                                   "first 5 problems of each set were scored)")
+    assert read_gate(r) == (False, "passed on a partial run, not a release gate (--limit 3: only the "
+                                   "first 3 problems of each set were scored)")
     assert r["results"]["kl"]["mean_kl"] == r["suites"]["kl"]["mean_kl"]
     assert r["results"]["gsm8k"]["exact_match,flexible-extract"] == r["suites"]["gsm8k"]["build"]["flexible-extract"]["acc"]
     staged = tmp_path / "card_check"
@@ -72,8 +72,8 @@ def test_demo_build_passes_and_report_has_every_part(demo_report, demo_build, de
     (staged / "eval").mkdir()
     shutil.copy(out / "report.json", staged / "eval" / "report.json")
     card = str(render_card(staged, "me/demo-nvfp4"))
-    assert "Eval gate: **passed on a partial run, not a release gate (--limit 5" in card
-    assert "| gsm8k | exact_match,strict-match |" in card and "| 5 problems |" in card
+    assert "Eval gate: **passed on a partial run, not a release gate (--limit 3" in card
+    assert "| gsm8k | exact_match,strict-match |" in card and "| 3 problems |" in card
 
 
 def test_demo_kl_gsm8k_passkey_values(demo_report):
@@ -86,20 +86,20 @@ def test_demo_kl_gsm8k_passkey_values(demo_report):
     assert kl["top1_agree"] == pytest.approx(0.699, abs=0.02)
     assert kl["ppl_ref"] == pytest.approx(24.03, rel=0.01) and kl["ppl_test"] == pytest.approx(31.24, rel=0.02)
     g = s["gsm8k"]
-    assert g["build"]["n"] == g["baseline"]["n"] == 5 and g["settings"]["chat_template"]
+    assert g["build"]["n"] == g["baseline"]["n"] == 3 and g["settings"]["chat_template"]
     for f in ("strict-match", "flexible-extract"):
         assert 0.0 <= g["build"][f]["acc"] <= 1.0
-        assert g["paired"][f]["n"] == 5
+        assert g["paired"][f]["n"] == 3
     rows = [json.loads(x) for x in (out / "gsm8k_samples.jsonl").read_text().splitlines()]
-    assert len(rows) == 10 and {x["model"] for x in rows} == {"build", "baseline"}
+    assert len(rows) == 6 and {x["model"] for x in rows} == {"build", "baseline"}
     assert all(x["response"] and "strict-match" in x and "flexible-extract" in x for x in rows)
-    assert [x["target"] for x in rows[:5]] == ["18", "3", "70000", "540", "20"]
+    assert [x["target"] for x in rows[:3]] == ["18", "3", "70000"]
     pk = s["passkey"]
     assert pk["build"]["lengths"] == [160, 320] and pk["build"]["depths"] == [0, 100]
     assert pk["baseline"]["mean"] == 1.0  # SmolLM2-135M finds the key at these lengths
     mc = s["mc"]
-    assert mc["build"]["n"] == 5 and mc["paired"]["n"] == 5
-    assert s["degenerate"]["build"]["n"] == 5 + 4
+    assert mc["build"]["n"] == 3 and mc["paired"]["n"] == 3
+    assert s["degenerate"]["build"]["n"] == 3 + 4
 
 
 def test_corrupted_fused_group_scale_fails_the_gate(demo_build, demo_src, tmp_path, capsys):
