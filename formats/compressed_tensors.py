@@ -31,13 +31,7 @@ TRT-LLM rejects class-name targets in mixed configs (docs/formats.md §B.3.5).
 
 import re
 
-import compressed_tensors
 import torch
-from compressed_tensors.quantization import (
-    QuantizationArgs,
-    QuantizationConfig,
-    preset_name_to_scheme,
-)
 
 from formats.fp8_layouts import emit_fp8_block, emit_mxfp8, fp8_output_specs  # noqa: F401 (writer API)
 from quantize.kernels.act_scales import input_global_scale_from_amax
@@ -186,6 +180,12 @@ def quantization_config(targets: dict[str, str], ignore: list[str], scheme: str 
     Raises:
         ValueError: unknown scheme or KV-cache type.
     """
+    # compressed-tensors' schema classes, imported here: the package pulls in transformers and
+    # torch.distributed (about 5 s of a 2-core machine), which no conversion worker, check or plan
+    # that never writes a config should pay
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
+
     if scheme not in _PRESETS:
         raise ValueError(f"scheme {scheme!r} is not available for compressed-tensors output "
                          f"(valid: {', '.join(_PRESETS)})")
