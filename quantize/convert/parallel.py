@@ -20,6 +20,7 @@ compile processes per worker). The compiled kernels come from inductor's on-disk
 by every worker: rank 0 warms it, the others wait and then load what it compiled.
 """
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -192,6 +193,26 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+@contextlib.contextmanager
+def _pinned(cores: list[int]):
+    """This thread runs on ``cores`` inside the block, and a process it starts inherits them
+    from its first instruction: the worker's OpenMP runtime, initialized when torch loads
+    there (before :func:`_child` runs), counts only the worker's cores. libgomp keeps that
+    count from its start and sizes its spin-waits by it: with fewer threads than the cores it
+    counted, an idle thread spins for milliseconds after each parallel region before it
+    sleeps, so a worker that counted all the parent's cores lets its teams (reader, quantizer,
+    writer: one each) spin on the few cores they share (suspected in issue 18)."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def _warm_in_turn(rank: int, warm) -> None:
     """``warm()`` on rank 0, then on the others: they load what rank 0 compiled from the
     shared cache instead of compiling the same kernels at once. Rank 0's error is raised on
@@ -255,8 +276,9 @@ def spawn_local(workers: int, fn, kwargs: dict, warm=None):
         saved = {k: os.environ.get(k) for k in worker_env(1)}
         try:
             os.environ.update(worker_env(len(slices[0])))
-            for p in procs:
-                p.start()
+            for r, p in enumerate(procs):
+                with _pinned(slices[r]):
+                    p.start()
         finally:
             for k, v in saved.items():
                 if v is None:

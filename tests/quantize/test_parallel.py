@@ -30,6 +30,10 @@ from quantize.kernels.fused import _has_cxx, _has_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 
+_CORES_AT_IMPORT = sorted(os.sched_getaffinity(0))
+"""This module's cores when it was imported: in a worker process, while the worker's target
+was unpickled, after torch (and its OpenMP runtime) had loaded there."""
+
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
@@ -113,6 +117,21 @@ def test_workers_own_their_cores_and_warm_in_turn(tmp_path, monkeypatch):
     assert log.read_text().split()[0] == "0" and sorted(log.read_text().split()) == [
         str(r) for r in range(workers)]
     assert os.environ["OMP_NUM_THREADS"] == "7" and "MKL_NUM_THREADS" not in os.environ
+
+
+def _cores_at_import() -> list[int]:
+    return _CORES_AT_IMPORT
+
+
+def test_workers_own_their_cores_before_torch_loads():
+    """A worker runs on its cores from its start (the parent pins the thread that spawns it),
+    so torch's OpenMP runtime, initialized when torch loads there, counts only the worker's
+    cores; pinned only later (in _child), it counted all of the parent's (issue 18)."""
+    cores = usable_cores()
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    assert spawn_local(2, _cores_at_import, {}) == cores[: len(cores) // 2]
+    assert sorted(os.sched_getaffinity(0)) == cores  # the parent's cores put back
 
 
 def test_core_slices_and_worker_env():
