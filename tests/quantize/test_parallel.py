@@ -26,6 +26,7 @@ from quantize.convert.parallel import (
     worker_env,
 )
 from quantize.convert.pipeline import convert
+from quantize.data.fixtures import write_synthetic_fp8
 from quantize.kernels.fused import _has_cxx, _has_triton
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +84,21 @@ def test_two_inductor_workers_write_the_one_worker_build(moe, tmp_path):
     assert s.shards_written == 4
     assert_same_build(tmp_path / "w1", tmp_path / "w2")
     assert_same_build(clean, tmp_path / "w2")
+
+
+@pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")
+def test_inductor_workers_compile_nothing_after_the_warm_up(tmp_path):
+    """Issue 18: the graphs a worker warms up (compiled by rank 0, loaded by the others) serve
+    every expert of the release's block layout, so no worker traces a graph in its shard loop,
+    where compiling in one thread would cost its share seconds; gate/up [256, 2048] have a scale
+    grid 16 wide, as GLM-5.3-Flash's down_proj [6144, 2048] has."""
+    src = write_synthetic_fp8(tmp_path / "src", 2, 1, hidden=2048, inter=256, fast=True)
+    convert(src, tmp_path / "w1", progress=False, device="cpu", kernel="inductor")
+    s = convert(src, tmp_path / "w2", progress=False, device="cpu", kernel="inductor", workers=2)
+    assert s.shards_written == 2 and s.elements_quantized == 2 * 3 * 256 * 2048
+    assert s.graphs_compiled == [0, 0]
+    assert s.stage_cpu_seconds["shard loop (process)"] > 0
+    assert_same_build(tmp_path / "w1", tmp_path / "w2")
 
 
 def _worker_view() -> tuple:
