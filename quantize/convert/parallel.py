@@ -255,7 +255,7 @@ def spawn_local(workers: int, fn, kwargs: dict, warm=None):
     result.
 
     Each process owns ``cores // workers`` of this process's cores (:func:`core_slices`, its
-    CPU affinity) and runs that many threads: torch's, and OpenMP / MKL / OpenBLAS pools sized
+    CPU affinity from its start, :func:`_pinned`) and runs that many threads: torch's, and OpenMP / MKL / OpenBLAS pools sized
     through :func:`worker_env` before torch loads in it. ``warm`` (picklable, no arguments),
     when given, runs first on rank 0 and then on the others (compile the kernels once, into the
     inductor cache every worker shares).
