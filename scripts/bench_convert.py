@@ -140,6 +140,7 @@ print(json.dumps({"peak_rss": peak_rss(), "peak_gpu": gpu, "seconds": s.seconds,
                   "startup": startup, "elements": s.elements_quantized, "bytes_in": s.bytes_in,
                   "cpu_seconds": c1 - c0, "stages": getattr(s, "stage_seconds", {}),
                   "stages_cpu": getattr(s, "stage_cpu_seconds", {}), "backend": backend,
+                  "graphs_compiled": getattr(s, "graphs_compiled", []),
                   "kernel_gelem_s": kernel_rate}))
 """
 
@@ -370,7 +371,8 @@ def scaling(say: Report, src: Path, work: Path, args, first: dict, t_plain: floa
                      "ratio_plain_wall": t_plain / r.get("wall", r["seconds"]),
                      "ratio_first": rate / base_rate,
                      "cpu_seconds": r["cpu_seconds"], "peak_rss": r["peak_rss"], "same": same,
-                     "stages": r.get("stages", {}), "stages_cpu": r.get("stages_cpu", {})})
+                     "stages": r.get("stages", {}), "stages_cpu": r.get("stages_cpu", {}),
+                     "graphs_compiled": r.get("graphs_compiled", [])})
         x = rows[-1]
         say(f"      {w:7d} {x['threads']:7d} {r['seconds']:7.1f}s {start:7.1f}s {rate:7.3f} "
             f"{r['bytes_in'] / 1e9 / r['seconds']:6.3f} {x['ratio_plain']:7.3f} "
@@ -381,7 +383,9 @@ def scaling(say: Report, src: Path, work: Path, args, first: dict, t_plain: floa
         st, c = x["stages"], x["stages_cpu"]
         say(f"      {x['workers']:7d}  " + ", ".join(
             f"{n} {st.get(n, 0.0):.1f} ({c.get(n, 0.0):.1f})"
-            for n in ("read", "dequant + amax", "quantize", "write + sha256", "wait for read")))
+            for n in ("read", "dequant + amax", "quantize", "write + sha256", "wait for read"))
+            + f"; shard loop CPU {c.get('shard loop (process)', 0.0):.1f} s (every thread, OpenMP's "
+            f"too), graphs compiled in it per rank {x['graphs_compiled']}")
     say(f"      plain read + write of the same bytes: {t_plain:.1f} s ({gb / t_plain:.3f} GB/s); "
         "'/ plain' is that time over 'convert', '+start' over the whole wall time; RSS is the "
         "largest process's peak (one worker's when there are several)")

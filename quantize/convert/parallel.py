@@ -20,6 +20,7 @@ compile processes per worker). The compiled kernels come from inductor's on-disk
 by every worker: rank 0 warms it, the others wait and then load what it compiled.
 """
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -195,6 +196,26 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+@contextlib.contextmanager
+def _pinned(cores: list[int]):
+    """This thread runs on ``cores`` inside the block, and a process it starts inherits them
+    from its first instruction: the worker's OpenMP runtime, initialized when torch loads
+    there (before :func:`_child` runs), counts only the worker's cores. libgomp keeps that
+    count from its start and sizes its spin-waits by it: with fewer threads than the cores it
+    counted, an idle thread spins for milliseconds after each parallel region before it
+    sleeps, so a worker that counted all the parent's cores lets its teams (reader, quantizer,
+    writer: one each) spin on the few cores they share (suspected in issue 18)."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def _warm_in_turn(rank: int, warm) -> None:
     """``warm()`` on rank 0, then on the others: they load what rank 0 compiled from the
     shared cache instead of compiling the same kernels at once. Rank 0's error is raised on
@@ -249,7 +270,7 @@ def spawn_local(workers: int, fn, kwargs: dict, warm=None):
     result.
 
     Each process owns ``cores // workers`` of this process's cores (:func:`core_slices`, its
-    CPU affinity) and runs that many threads: torch's, and OpenMP / MKL / OpenBLAS pools sized
+    CPU affinity from its start, :func:`_pinned`) and runs that many threads: torch's, and OpenMP / MKL / OpenBLAS pools sized
     through :func:`worker_env` before torch loads in it. ``warm`` (picklable, no arguments),
     when given, runs first on rank 0 and then on the others (compile the kernels once, into the
     inductor cache every worker shares).
@@ -280,8 +301,9 @@ def spawn_local(workers: int, fn, kwargs: dict, warm=None):
         sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             os.environ.update(worker_env(len(slices[0])))
-            for p in procs:
-                p.start()
+            for r, p in enumerate(procs):
+                with _pinned(slices[r]):
+                    p.start()
         finally:
             if main:
                 signal.signal(signal.SIGINT, signal.default_int_handler if sigint is None else sigint)

@@ -85,6 +85,7 @@ from quantize.kernels.fused import (
     MIN_COMPILED_ELEMENTS,
     Prepared,
     choose_backend,
+    compiled_graphs,
     prepare_float,
     prepare_fp8,
     warm_up,
@@ -126,6 +127,9 @@ class Summary:
     findings: list = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)  # quantize.convert.overlap.StageClock
     stage_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    graphs_compiled: list[int] = field(default_factory=list)
+    """Per rank, in rank order: graphs torch.compile traced during its shard loop
+    (quantize.kernels.fused.compiled_graphs; 0 where the warm-up compiled them all)."""
 
     @property
     def gelem_per_s(self) -> float:
@@ -398,6 +402,7 @@ class _RankResult(NamedTuple):
     stats: dict[str, dict]  # shard -> data findings (``_shard_stats``)
     seconds: dict[str, float]  # stage -> wall seconds (quantize.convert.overlap.StageClock)
     cpu_seconds: dict[str, float]  # stage -> CPU seconds of its thread
+    compiled: tuple[int, ...]  # per rank: graphs compiled in its shard loop
 
     @classmethod
     def merge(cls, results: list["_RankResult"], first: dict[str, float]) -> "_RankResult":
@@ -410,7 +415,8 @@ class _RankResult(NamedTuple):
                     total[k] = total.get(k, 0.0) + v
         return cls(sum(r.written for r in results), sum(r.skipped for r in results),
                    sum(r.elements for r in results), {k: v for r in results for k, v in r.digests.items()},
-                   {k: v for r in results for k, v in r.stats.items()}, seconds, cpu)
+                   {k: v for r in results for k, v in r.stats.items()}, seconds, cpu,
+                   tuple(n for r in results for n in r.compiled))
 
 
 class _FromGPTQ(Prepared):
@@ -664,7 +670,7 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
         this rank's :class:`_RankResult` (digests and data findings of ``shards``).
     """
     source, clock = job.source, job.clock
-    t_loop = time.perf_counter()
+    t_loop, cpu_loop, graphs = time.perf_counter(), time.process_time(), compiled_graphs()
     counts = {"written": 0, "skipped": 0}
     on_disk, changed, cancel = set(), threading.Condition(), threading.Event()
     reuse = _reuse_bytes(job, shards)
@@ -742,8 +748,11 @@ def _convert_shards(job: _Job, shards: list[str], out: Path, ledger: Ledger,
         saver.close()
     digests = {s: ledger.done[s]["sha256"] for s in shards if s in ledger.done}
     clock.add("shard loop (wall)", time.perf_counter() - t_loop)
+    cpu = dict(clock.cpu_seconds)
+    cpu["shard loop (process)"] = time.process_time() - cpu_loop  # all its threads, OpenMP's too
     return _RankResult(counts["written"], counts["skipped"], elements, digests,
-                       {s: ledger.stats(s) for s in shards}, dict(clock.seconds), dict(clock.cpu_seconds))
+                       {s: ledger.stats(s) for s in shards}, dict(clock.seconds), cpu,
+                       (compiled_graphs() - graphs,))
 
 
 def _on_every_rank(world: World, fn):
@@ -1069,7 +1078,7 @@ def _finish(plan: _Plan, out: Path, opts: ConvertOptions, result: _RankResult, t
     stages["finish (index, config, check, manifest)"] = time.perf_counter() - t_finish
     return Summary(out, dict(plan.counts), plan.bytes_in, bytes_out, result.elements,
                    time.perf_counter() - t0, result.written, result.skipped, ignore, plan.notes,
-                   findings, stages, dict(result.cpu_seconds))
+                   findings, stages, dict(result.cpu_seconds), list(result.compiled))
 
 
 def _check_record(tensors: dict[str, torch.Tensor]) -> dict:

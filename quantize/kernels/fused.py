@@ -59,7 +59,7 @@ from quantize.kernels.scale_search import (
 )
 
 __all__ = ["BACKENDS", "MIN_COMPILED_ELEMENTS", "ORDERS", "Prepared", "choose_backend",
-           "decode_e4m3", "e2m1_codes", "prepare_float", "prepare_fp8", "warm_up"]
+           "compiled_graphs", "decode_e4m3", "e2m1_codes", "prepare_float", "prepare_fp8", "warm_up"]
 
 MIN_COMPILED_ELEMENTS = 1 << 20
 """With ``auto``, smaller weights use the reference: compiling costs seconds once per process,
@@ -247,6 +247,15 @@ def warm_up(order: str = "global") -> None:
     layout. Float sources compile their two graphs on first use."""
     w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
     _InductorFp8(w, torch.ones(2, 4), (128, 128), order, _Search(RTN, None, 512)).quantize(torch.ones(()))
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has traced in this process so far (dynamo's count of unique
+    graphs): a graph compiled, loaded from inductor's disk cache, or compiled again because a
+    guard failed counts once more each time; 0 before the first. After :func:`warm_up` the
+    weights of its block layout add none."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
 def _run(name: str, *args):

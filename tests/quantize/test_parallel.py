@@ -26,9 +26,14 @@ from quantize.convert.parallel import (
     worker_env,
 )
 from quantize.convert.pipeline import convert
+from quantize.data.fixtures import write_synthetic_fp8
 from quantize.kernels.fused import _has_cxx, _has_triton
 
 ROOT = Path(__file__).resolve().parents[2]
+
+_CORES_AT_IMPORT = sorted(os.sched_getaffinity(0))
+"""This module's cores when it was imported: in a worker process, while the worker's target
+was unpickled, after torch (and its OpenMP runtime) had loaded there."""
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +86,21 @@ def test_two_inductor_workers_write_the_one_worker_build(moe, tmp_path):
     assert_same_build(clean, tmp_path / "w2")
 
 
+@pytest.mark.skipif(not _has_cxx(), reason="inductor needs a C++ compiler")
+def test_inductor_workers_compile_nothing_after_the_warm_up(tmp_path):
+    """Issue 18: the graphs a worker warms up (compiled by rank 0, loaded by the others) serve
+    every expert of the release's block layout, so no worker traces a graph in its shard loop,
+    where compiling in one thread would cost its share seconds; gate/up [256, 2048] have a scale
+    grid 16 wide, as GLM-5.3-Flash's down_proj [6144, 2048] has."""
+    src = write_synthetic_fp8(tmp_path / "src", 2, 1, hidden=2048, inter=256, fast=True)
+    convert(src, tmp_path / "w1", progress=False, device="cpu", kernel="inductor")
+    s = convert(src, tmp_path / "w2", progress=False, device="cpu", kernel="inductor", workers=2)
+    assert s.shards_written == 2 and s.elements_quantized == 2 * 3 * 256 * 2048
+    assert s.graphs_compiled == [0, 0]
+    assert s.stage_cpu_seconds["shard loop (process)"] > 0
+    assert_same_build(tmp_path / "w1", tmp_path / "w2")
+
+
 def _worker_view() -> tuple:
     import torch as t
 
@@ -113,6 +133,21 @@ def test_workers_own_their_cores_and_warm_in_turn(tmp_path, monkeypatch):
     assert log.read_text().split()[0] == "0" and sorted(log.read_text().split()) == [
         str(r) for r in range(workers)]
     assert os.environ["OMP_NUM_THREADS"] == "7" and "MKL_NUM_THREADS" not in os.environ
+
+
+def _cores_at_import() -> list[int]:
+    return _CORES_AT_IMPORT
+
+
+def test_workers_own_their_cores_before_torch_loads():
+    """A worker runs on its cores from its start (the parent pins the thread that spawns it),
+    so torch's OpenMP runtime, initialized when torch loads there, counts only the worker's
+    cores; pinned only later (in _child), it counted all of the parent's (issue 18)."""
+    cores = usable_cores()
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    assert spawn_local(2, _cores_at_import, {}) == cores[: len(cores) // 2]
+    assert sorted(os.sched_getaffinity(0)) == cores  # the parent's cores put back
 
 
 def test_core_slices_and_worker_env():
