@@ -15,6 +15,8 @@ from tqdm.auto import tqdm
 
 from calibrate.data import CalibSet, build_calib_set, check_dataset
 from formats.calib_stats import CalibStats
+from formats.sources import read_config
+from quantize.base.errors import SourceError
 
 __all__ = ["calibrate", "calibrate_sequences", "CalibStats"]
 
@@ -91,6 +93,25 @@ def calibrate_sequences(src: str | Path, calib: CalibSet, *, all_experts: bool =
     return stats
 
 
+def check_calibration_source(src: Path) -> dict:
+    """The source's config.json, checked before transformers reads it (pre-flight's checks of
+    the config, :func:`formats.sources.read_config`) plus a ``model_type``: calibration builds
+    the model with transformers' own classes, which pick them by it.
+
+    Raises:
+        SourceError: naming the folder, config.json or the key.
+    """
+    from quantize import archs
+
+    if not src.is_dir():
+        raise SourceError(f"source folder {src} does not exist")
+    cfg = read_config(src)
+    if archs.missing_model_type(cfg):
+        raise SourceError(f"{src / 'config.json'} has no model_type: calibration builds the model "
+                          "with transformers' classes, which are chosen by it", key="model_type")
+    return cfg
+
+
 def calibrate(src: str | Path, dataset: str, *, samples: int = 128, seq_len: int = 512,
               seed: int = 0, chat_template: bool = True, tokenizer=None, **kwargs) -> CalibStats:
     """Tokenize ``dataset`` with the source's tokenizer and run :func:`calibrate_sequences`.
@@ -100,14 +121,12 @@ def calibrate(src: str | Path, dataset: str, *, samples: int = 128, seq_len: int
         tokenizer: overrides the tokenizer found in ``src``.
         kwargs: passed to :func:`calibrate_sequences`.
     """
-    import json
-
     from quantize import archs
 
     check_dataset(dataset)  # a missing local file is named before the tokenizer loads
     src = Path(src)
+    cfg = check_calibration_source(src)
     tok = tokenizer if tokenizer is not None else _tokenizer(src)
-    cfg = json.loads((src / "config.json").read_text())
     vocab = archs.text_config(cfg).get("vocab_size")
     calib = build_calib_set(dataset, tok, samples=samples, seq_len=seq_len, seed=seed,
                             chat_template=chat_template, vocab_size=vocab)

@@ -44,7 +44,7 @@ from quantize import archs
 from quantize.base.errors import Finding, SourceError, raise_findings
 from quantize.kernels.fp8 import dequantize_fp8_block, dequantize_fp8_broadcast
 
-__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "inspect_source", "open_source",
+__all__ = ["SourceKind", "LogicalTensor", "ShardFiles", "Source", "inspect_source", "open_source", "read_config",
            "describe_dropped", "DROPPED_SUFFIXES", "SCALE_DTYPES"]
 
 FP8_DTYPES = {"F8_E4M3"}
@@ -614,6 +614,28 @@ def _open_descriptor(path: Path) -> Source:
         qc = archs.text_config(config).get("quantization_config")
     kind, layout = _layout_from_config(qc)
     return Source(path, config, kind, layout, {n: path.name for n in infos}, infos, has_data=False)
+
+
+def read_config(folder: str | Path) -> dict:
+    """``folder/config.json`` as a dict, checked as pre-flight checks it: readable JSON, an
+    object, integer counts of the right type (``archs.config_type_errors``), an object
+    ``quantization_config``. For commands that need the config before (or without) opening
+    the source: ``plan``, ``calibrate``.
+
+    Raises:
+        SourceError: naming config.json and the key at fault (the first problem).
+    """
+    config, findings = _read_config(Path(folder))
+    if findings:
+        raise SourceError(findings[0].message, key=findings[0].key)
+    for key, message in archs.config_type_errors(config):
+        raise SourceError(message, key=key)
+    for where in (config, archs.text_config(config)):
+        qc = where.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            raise SourceError("config.json quantization_config must be an object",
+                              key="quantization_config")
+    return config
 
 
 def _read_config(folder: Path) -> tuple[dict, list[Finding]]:

@@ -41,7 +41,7 @@ from formats.checkpoint import load_index, read_all_headers
 from formats.compressed_tensors import FORMAT_NAME as CT_NVFP4_FORMAT
 from formats.manifest import MANIFEST_NAME
 from formats.shards import TensorInfo
-from formats.sources import open_source
+from formats.sources import open_source, read_config
 from quantize import archs
 from quantize.archs.kvcache import KVDtype, KVModel, kv_model
 from quantize.plan.recipe import default_recipe, load_recipe
@@ -303,8 +303,7 @@ def build_tensors(src: str | Path, recipe: str | None = None, fmt: str = "compre
         SourceError, RecipeError: unreadable source or recipe (named).
     """
     folder = Path(src)
-    cfg_path = folder / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
+    config = read_config(folder) if (folder / "config.json").is_file() else None
     if config is not None and _is_build(folder, config):
         infos = read_all_headers(folder, load_index(folder))
         rows = tuple((n, i.shape, i.nbytes) for n, i in sorted(infos.items()))

@@ -357,3 +357,47 @@ def test_a_config_that_describes_no_model_claims_no_architecture():
         {"architectures": ["X"]}, {"text_config": {"num_hidden_layers": 2}},
         {"text_config": {"num_hidden_layers": 2, "model_type": "llama"}}, {"model_type": "llama", "hidden_size": 8})] == [
         False, False, False, True, True, True, False, False]
+
+
+# ---- a config that pre-flight refuses is refused as cleanly by plan and calibrate -----------
+
+@pytest.mark.parametrize("edit, message", [
+    ({"quantization_config": "fp8"}, "error: config.json quantization_config must be an object"),
+    ({"num_key_value_heads": "3"},
+     "error: config.json num_key_value_heads is '3': it must be a non-negative integer"),
+    (None, "error: config.json is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
+])
+@pytest.mark.parametrize("cmd", ["plan", "calibrate"])
+def test_plan_and_calibrate_refuse_a_bad_config_naming_it(cmd, edit, message, tiny_fp8_llama, tmp_path, capsys):
+    src = shutil.copytree(tiny_fp8_llama, tmp_path / "bad")
+    if edit is None:
+        (src / "config.json").write_text("")
+    else:
+        (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **edit}))
+    args = (["plan", "--src", src] if cmd == "plan" else
+            ["calibrate", "--src", src, "--dataset", "random", "--samples", "1", "--seq-len", "8",
+             "--out", tmp_path / "stats"])
+    rc, stdout, err = run(capsys, *args)
+    assert (rc, err.strip().splitlines()) == (1, [message])
+    assert not (tmp_path / "stats").exists()
+
+
+def test_calibrate_refuses_a_config_without_model_type(tiny_fp8_llama, tmp_path, capsys):
+    src = shutil.copytree(tiny_fp8_llama, tmp_path / "bad")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["model_type"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, stdout, err = run(capsys, "calibrate", "--src", src, "--dataset", "random", "--samples", "1",
+                          "--seq-len", "8", "--out", tmp_path / "stats")
+    assert (rc, err.strip()) == (1, f"error: {src / 'config.json'} has no model_type: calibration builds "
+                                    "the model with transformers' classes, which are chosen by it")
+
+
+def test_manifest_records_the_scale_method_that_ran(tiny_fp8_llama, tmp_path, capsys):
+    """--scales auto (the default) on the CPU runs round-to-nearest and the manifest says so;
+    an explicit method is recorded as given."""
+    auto = _build(tiny_fp8_llama, tmp_path / "auto", capsys)
+    mse = _build(tiny_fp8_llama, tmp_path / "mse", capsys, "--scales", "mse")
+    opts = [json.loads((b / "spark_quant_manifest.json").read_text())["options"] for b in (auto, mse)]
+    assert [o["scales"] for o in opts] == ["rtn", "mse"]
+    assert "calibration_sha256" not in opts[0] and "kv_cache" not in opts[0]

@@ -880,8 +880,9 @@ def _plan(src, out: Path, opts: ConvertOptions, rec, writer: ModuleType, world: 
     headers = {n: [i.shard, i.dtype, list(i.shape)] for n, i in source.infos.items()}
     options = {"scheme": opts.scheme, "format": opts.fmt, "recipe": rec.name, "recipe_sha256": rec.sha256,
                "tp": opts.tp, "engine": opts.engine}
-    if stats is not None or opts.kv_cache or opts.scales != "rtn":
-        options.update(kv_cache=opts.kv_cache, scales=opts.scales, calibration_sha256=calib.sha256)
+    options["scales"] = opts.scales  # the method that ran (--scales auto resolved for the device)
+    if stats is not None or opts.kv_cache:
+        options.update(kv_cache=opts.kv_cache, calibration_sha256=calib.sha256)
     gptq = _gptq_results(opts.gptq, decisions, writer) if opts.gptq is not None else None
     if gptq is not None:
         options.update(method="gptq", gptq_sha256=gptq.sha256, gptq={
