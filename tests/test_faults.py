@@ -465,8 +465,8 @@ def test_source_shard_truncated_mid_run_then_resume(tmp_path, tiny_fp8_llama, cl
     at_s3, truncated, current = threading.Event(), threading.Event(), {"shard": None}
     real_get, real_stream = ShardReader.get, Source.stream
 
-    def stream(self, shards=None):
-        for shard in real_stream(self, shards):
+    def stream(self, shards=None, partners=None):
+        for shard in real_stream(self, shards, partners):
             current["shard"] = shard
             yield shard
 
