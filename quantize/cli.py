@@ -198,6 +198,40 @@ def _folder(path: str, what: str = "build") -> Path:
     return p
 
 
+def _refuse_other_options(out: Path, args: argparse.Namespace) -> None:
+    """``--resume`` into a finished build made with other options: an error naming each option
+    that differs (from the manifest's ``options``), not "already complete", which would let a
+    script take the old build for the one it asked for. Options left at their defaults are
+    compared too (the same command resumes); a preset recipe and the scale method only when
+    given.
+
+    Raises:
+        OutputError: naming the folder and each differing option.
+    """
+    import json
+
+    from formats.manifest import MANIFEST_NAME
+    from quantize.base.errors import OutputError
+
+    try:
+        recorded = json.loads((out / MANIFEST_NAME).read_text()).get("options") or {}
+    except (OSError, ValueError):
+        return  # an unreadable manifest is verify's finding; nothing to compare here
+    asked = {"format": args.format, "scheme": args.scheme, "tp": args.tp, "engine": args.engine}
+    from quantize.plan.recipe import preset_names
+
+    if args.recipe in preset_names():  # a recipe file is compared by its content at resume
+        asked["recipe"] = args.recipe
+    if args.scales != SCALES_AUTO:
+        asked["scales"] = args.scales
+    differ = [f"--{k} {v} (the build has {recorded.get(k, 'rtn' if k == 'scales' else None)})"
+              for k, v in asked.items() if recorded.get(k, "rtn" if k == "scales" else None) != v]
+    if differ:
+        raise OutputError(f"{out} is a finished build made with other options: {'; '.join(differ)}. "
+                          "--resume continues an unfinished build with the same options; a new build "
+                          "needs an empty --out", key=MANIFEST_NAME)
+
+
 def _cmd_nvfp4(args: argparse.Namespace) -> int:
     from formats.manifest import MANIFEST_NAME, already_complete, resume_hint
     from quantize.convert.parallel import current_world, init_from_env
@@ -213,6 +247,7 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
         args.workers = _auto_workers(src, args.device, args.kernel)
     _check_workers(args.workers, src)
     if args.resume and (out / MANIFEST_NAME).is_file():  # finished: nothing to resume, keep it
+        _refuse_other_options(out, args)
         if not rank:
             # the manifest is written last, then the ledgers go: a kill in between leaves
             # ledgers (and a temp file) that are not part of the build
@@ -231,8 +266,12 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
     if args.method == "gptq" and not isinstance(src, Path):
         raise SparkQuantError("--method gptq needs a local --src folder (the GPTQ pass reads the source "
                               "layer by layer before the conversion streams it)")
-    if args.method != "gptq" and (args.dataset or args.act_order or args.damp is not None):
-        raise SparkQuantError("--dataset, --damp and --act-order are options of --method gptq")
+    if args.method != "gptq" and (args.dataset or args.act_order or args.damp is not None
+                                  or args.samples is not None or args.seq_len is not None):
+        raise SparkQuantError("--dataset, --samples, --seq-len, --damp and --act-order are options "
+                              "of --method gptq")
+    args.samples = 128 if args.samples is None else args.samples
+    args.seq_len = 512 if args.seq_len is None else args.seq_len
     options = {"scheme": args.scheme, "fmt": args.format, "recipe": _recipe_name(args.recipe, src),
                "device": args.device, "resume": args.resume, "progress": not args.quiet,
                "source_info": info, "tp": args.tp, "engine": args.engine,
@@ -577,8 +616,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "layers' NVFP4 Linears first, layer by layer (calibrate/gptq.py), then the "
                         "same conversion; needs --dataset, or --calibration STATS to rebuild its set")
     n.add_argument("--dataset", help="--method gptq: calibration set (as for calibrate)")
-    n.add_argument("--samples", type=_int_at_least(1), default=128, help="--method gptq: calibration samples")
-    n.add_argument("--seq-len", type=_int_at_least(1), default=512, help="--method gptq: tokens per sample")
+    n.add_argument("--samples", type=_int_at_least(1), default=None,
+                   help="--method gptq: calibration samples (default 128)")
+    n.add_argument("--seq-len", type=_int_at_least(1), default=None,
+                   help="--method gptq: tokens per sample (default 512)")
     n.add_argument("--damp", type=float, default=None,
                    help="--method gptq: damping, fraction of the mean Hessian diagonal (default 0.01)")
     n.add_argument("--act-order", action="store_true",

@@ -401,3 +401,25 @@ def test_manifest_records_the_scale_method_that_ran(tiny_fp8_llama, tmp_path, ca
     opts = [json.loads((b / "spark_quant_manifest.json").read_text())["options"] for b in (auto, mse)]
     assert [o["scales"] for o in opts] == ["rtn", "mse"]
     assert "calibration_sha256" not in opts[0] and "kv_cache" not in opts[0]
+
+
+def test_resume_into_a_finished_build_of_other_options_names_them(tiny_fp8_llama, tmp_path, capsys):
+    build = _build(tiny_fp8_llama, tmp_path / "b", capsys)
+    before = {p.name: p.read_bytes() for p in build.iterdir() if p.is_file()}
+    rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", build, "--device", "cpu",
+                          "--resume", "--format", "modelopt", "--scales", "mse")
+    assert rc == 1 and stdout == ""
+    assert err.strip() == (f"error: {build} is a finished build made with other options: --format modelopt "
+                           "(the build has compressed-tensors); --scales mse (the build has rtn). --resume "
+                           "continues an unfinished build with the same options; a new build needs an "
+                           "empty --out")
+    assert {p.name: p.read_bytes() for p in build.iterdir() if p.is_file()} == before  # kept as it was
+    rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", build, "--device", "cpu", "--resume")
+    assert rc == 0 and "is already complete" in stdout
+
+
+def test_gptq_sample_options_without_method_gptq_are_refused(tiny_fp8_llama, tmp_path, capsys):
+    rc, stdout, err = run(capsys, "nvfp4", "--src", tiny_fp8_llama, "--out", tmp_path / "b", "--samples", "3")
+    assert (rc, err.strip()) == (1, "error: --dataset, --samples, --seq-len, --damp and --act-order are "
+                                    "options of --method gptq")
+    assert not (tmp_path / "b").exists()
