@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantize.base.errors import CardError, GateFailed, OutputError
-from quantize.hub.card import load_build, read_gate, render_card, validate_card
+from formats.manifest import EVAL_FOLDER, MANIFEST_NAME
+from formats.shards import sha256_file
+from quantize.hub.card import PLAN, load_build, read_gate, render_card, validate_card
 from quantize.hub.download import hub_errors
 from quantize.hub.retry import install as install_retries
 
@@ -95,6 +97,31 @@ def file_plan(build: Path) -> list[tuple[str, int]]:
     return out
 
 
+def check_build_files(build: Path, manifest: dict, files: list[tuple[str, int]]) -> None:
+    """What an upload sends is the build the manifest describes: every file the manifest lists
+    has its sha256 (read from disk: a flipped byte after the build is caught here, not by the
+    user of the published repo), and nothing else is sent but what quantize writes into a
+    finished build (its manifest, ``eval/``, ``plan.json``).
+
+    Raises:
+        OutputError: naming the first file whose sha256 differs, or the files the manifest
+            does not list (nothing is uploaded).
+    """
+    listed = manifest.get("files", {})
+    own = {MANIFEST_NAME, PLAN.as_posix()}
+    extra = [rel for rel, _ in files
+             if rel not in listed and rel not in own and not rel.startswith(EVAL_FOLDER + "/")]
+    if extra:
+        raise OutputError(f"{build} holds {len(extra)} file(s) its manifest does not list ({', '.join(extra[:3])}"
+                          f"{', ...' if len(extra) > 3 else ''}): an upload sends only the build's own "
+                          "files; move them out of the folder (nothing was uploaded)", key=extra[0])
+    for rel, meta in sorted(listed.items()):
+        if sha256_file(build / rel) != meta.get("sha256"):
+            raise OutputError(f"{rel} in {build} is not the file the build wrote (its sha256 differs "
+                              f"from the manifest's); `quantize verify {build}` shows what changed: "
+                              "rebuild, or restore the file (nothing was uploaded)", key=rel)
+
+
 def _advice(report: dict | None) -> str:
     """What to do about a gate that does not allow a release."""
     if report is None:
@@ -149,6 +176,7 @@ def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
     validate_card(text)
     up = Upload(repo_id, revision or "main", text, file_plan(build), forced, refused=refusal)
     check_file_sizes(up.files)
+    check_build_files(build, info["manifest"], up.files)
     if dry_run:
         return up
 

@@ -325,3 +325,31 @@ def test_file_over_hub_limit_refused_before_any_byte(build, monkeypatch):
                                    f"{big[0]} (")
     assert str(e.value).endswith("; nothing was uploaded. Re-shard the build into smaller files "
                                  "(convert from a source with smaller shards)")
+
+
+def test_changed_byte_or_stray_file_is_refused_before_any_byte(build, tmp_path):
+    """A shard whose sha256 is not the manifest's (one byte flipped, same size) and a file the
+    manifest does not list are refused by the dry run too, naming the file."""
+    import shutil
+
+    from quantize.base.errors import OutputError
+
+    copy = shutil.copytree(build, tmp_path / "copy")
+    shard = copy / "model-00002-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(OutputError) as e:
+        upload_build(copy, "me/x", dry_run=True)
+    assert str(e.value) == (f"model-00002-of-00003.safetensors in {copy} is not the file the build wrote "
+                            "(its sha256 differs from the manifest's); `quantize verify "
+                            f"{copy}` shows what changed: rebuild, or restore the file (nothing was uploaded)")
+    shard.write_bytes((build / shard.name).read_bytes())
+    (copy / "calibration.json").write_text("{}")
+    with pytest.raises(OutputError) as e:
+        upload_build(copy, "me/x", dry_run=True)
+    assert str(e.value) == (f"{copy} holds 1 file(s) its manifest does not list (calibration.json): an "
+                            "upload sends only the build's own files; move them out of the folder "
+                            "(nothing was uploaded)")
+    (copy / "calibration.json").unlink()
+    assert upload_build(copy, "me/x", dry_run=True).files == upload_build(build, "me/x", dry_run=True).files
