@@ -245,7 +245,8 @@ def test_calibration_stats_rebuild_or_ask_for_a_dataset(llama, tmp_path):
 def test_cli_gptq_options_belong_to_gptq(llama, tmp_path, capsys):
     _, src = llama
     assert main(["nvfp4", "--src", str(src), "--out", str(tmp_path / "x"), "--dataset", "random"]) == 1
-    assert "--dataset, --damp and --act-order are options of --method gptq" in capsys.readouterr().err
+    assert ("--dataset, --samples, --seq-len, --damp and --act-order are options of --method gptq"
+            in capsys.readouterr().err)
     assert main(["nvfp4", "--src", str(src), "--out", str(tmp_path / "y"), "--method", "gptq", "--quiet"]) == 1
     assert ("--method gptq needs calibration tokens: --dataset D, or --calibration STATS of `quantize "
             "calibrate` to rebuild its set") in capsys.readouterr().err
