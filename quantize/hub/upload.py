@@ -97,6 +97,19 @@ def file_plan(build: Path) -> list[tuple[str, int]]:
     return out
 
 
+def _check_repo_id(repo_id: str) -> None:
+    """Raises OutputError: ``repo_id`` is not ``ORG/NAME`` as the Hub spells repo ids
+    (huggingface_hub's ``validate_repo_id``), before the card names it or any call is made."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+        if repo_id.count("/") != 1:
+            raise HFValidationError("it must be ORG/NAME (your user or organization, a slash, the model name)")
+    except HFValidationError as e:
+        raise OutputError(f"--repo {repo_id!r} is not a Hub repo id: {e}", key="repo") from None
+
+
 def check_build_files(build: Path, manifest: dict, files: list[tuple[str, int]]) -> None:
     """What an upload sends is the build the manifest describes: every file the manifest lists
     has its sha256 (read from disk: a flipped byte after the build is caught here, not by the
@@ -162,6 +175,7 @@ def upload_build(build: str | Path, repo_id: str, *, private: bool = False,
         which; re-running resumes).
     """
     build = Path(build)
+    _check_repo_id(repo_id)
     info = load_build(build)
     passed, verdict = read_gate(info["report"])
     refusal = (None if passed or force else

@@ -353,3 +353,11 @@ def test_changed_byte_or_stray_file_is_refused_before_any_byte(build, tmp_path):
                             "(nothing was uploaded)")
     (copy / "calibration.json").unlink()
     assert upload_build(copy, "me/x", dry_run=True).files == upload_build(build, "me/x", dry_run=True).files
+
+
+@pytest.mark.parametrize("repo", ["not a repo", "tiny-nvfp4", "a/b/c"])
+def test_a_repo_id_that_is_not_org_name_is_refused(build, repo):
+    from quantize.base.errors import OutputError
+
+    with pytest.raises(OutputError, match=rf"^--repo '{repo}' is not a Hub repo id: "):
+        upload_build(build, repo, dry_run=True)
