@@ -7,13 +7,7 @@ import shutil
 
 import pytest
 
-from quantize.cli import main
-
-
-def run(capsys, *args) -> tuple[int, str, str]:
-    rc = main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
+from tests.test_new_user import refused_unless_accepted, run
 
 
 def _build(src, out, capsys, *extra):
@@ -320,19 +314,7 @@ def test_missing_model_type_is_refused_unless_accepted(cmd, tiny_fp8_llama, tmp_
     del cfg["model_type"]
     (tiny_fp8_llama / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "out"
-    args = {"nvfp4": ["nvfp4", "--src", tiny_fp8_llama, "--out", out, "--device", "cpu", "--quiet"],
-            "preflight": ["preflight", tiny_fp8_llama, "--out", out],
-            "recipe show": ["recipe", "show", "--src", tiny_fp8_llama, "--summary"]}[cmd]
-    rc, stdout, err = run(capsys, *args)
-    if cmd == "nvfp4":
-        assert (rc, stdout, err) == (1, "", f"error: 1 problem(s) in src:\nerror: [config] {MISSING}\n")
-    elif cmd == "preflight":
-        assert (rc, stdout.splitlines()[1:], err) == (1, [f"error: [config] {MISSING}"], "")
-    else:
-        assert (rc, stdout, err) == (1, "", f"error: {MISSING}\n")
-    assert not out.exists()
-    rc, stdout, err = run(capsys, *args, "--allow-unknown-arch")
-    assert (rc, err) == (0, "")
+    stdout = refused_unless_accepted(capsys, cmd, tiny_fp8_llama, out, MISSING)
     assert any(line.endswith("config.json has no model_type; planned from tensor names alone "
                              "(--allow-unknown-arch): embedding, lm_head, router, MTP eh_proj and vision "
                              "Linears stay high precision (found by name); every other 2-D Linear weight "

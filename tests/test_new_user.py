@@ -426,6 +426,27 @@ ASSUMED = ("model_type 'llama_deluxe' is not in the architecture map; planned fr
            "or alignment: 0")
 
 
+def refused_unless_accepted(capsys, cmd: str, src, out, message: str) -> str:
+    """``cmd`` (nvfp4, preflight, recipe show or plan) on ``src``: refused with ``message``
+    (exit 1, nothing written to ``out``), then accepted with ``--allow-unknown-arch`` (exit 0,
+    nothing on stderr). Returns the accepted run's stdout."""
+    args = {"nvfp4": ["nvfp4", "--src", src, "--out", out, "--device", "cpu", "--quiet"],
+            "preflight": ["preflight", src, "--out", out],
+            "recipe show": ["recipe", "show", "--src", src, "--summary"],
+            "plan": ["plan", "--src", src, "--node-mem-gib", "8", "--max-model-len", "256"]}[cmd]
+    rc, stdout, err = run(capsys, *args)
+    if cmd == "nvfp4":
+        assert (rc, stdout, err) == (1, "", f"error: 1 problem(s) in src:\nerror: [config] {message}\n")
+    elif cmd == "preflight":
+        assert (rc, stdout.splitlines()[1:], err) == (1, [f"error: [config] {message}"], "")
+    else:
+        assert (rc, stdout, err) == (1, "", f"error: {message}\n")
+    assert not out.exists()
+    rc, stdout, err = run(capsys, *args, "--allow-unknown-arch")
+    assert (rc, err) == (0, "")
+    return stdout
+
+
 def _unknown_llama(tiny_fp8_llama):
     import json
 
@@ -438,20 +459,7 @@ def _unknown_llama(tiny_fp8_llama):
 @pytest.mark.parametrize("cmd", ["nvfp4", "preflight", "recipe show", "plan"])
 def test_unknown_model_type_is_refused_unless_accepted(cmd, tiny_fp8_llama, tmp_path, capsys):
     src, out = _unknown_llama(tiny_fp8_llama), tmp_path / "out"
-    args = {"nvfp4": ["nvfp4", "--src", src, "--out", out, "--device", "cpu", "--quiet"],
-            "preflight": ["preflight", src, "--out", out],
-            "recipe show": ["recipe", "show", "--src", src, "--summary"],
-            "plan": ["plan", "--src", src, "--node-mem-gib", "8", "--max-model-len", "256"]}[cmd]
-    rc, stdout, err = run(capsys, *args)
-    if cmd in ("nvfp4",):
-        assert (rc, stdout, err) == (1, "", f"error: 1 problem(s) in src:\nerror: [config] {UNKNOWN}\n")
-    elif cmd == "preflight":
-        assert (rc, stdout.splitlines()[1:], err) == (1, [f"error: [config] {UNKNOWN}"], "")
-    else:
-        assert (rc, stdout, err) == (1, "", f"error: {UNKNOWN}\n")
-    assert not out.exists()
-    rc, stdout, err = run(capsys, *args, "--allow-unknown-arch")
-    assert (rc, err) == (0, "")
+    stdout = refused_unless_accepted(capsys, cmd, src, out, UNKNOWN)
     line = {"nvfp4": f"  note: info: {ASSUMED}", "preflight": f"info: [config] {ASSUMED}",
             "recipe show": f"note: {ASSUMED}", "plan": f"note: {ASSUMED}"}[cmd]
     assert line in stdout.splitlines()
