@@ -212,20 +212,19 @@ def _refuse_other_options(out: Path, args: argparse.Namespace) -> None:
 
     from formats.manifest import MANIFEST_NAME
     from quantize.base.errors import OutputError
+    from quantize.plan.recipe import preset_names
 
     try:
         recorded = json.loads((out / MANIFEST_NAME).read_text()).get("options") or {}
     except (OSError, ValueError):
         return  # an unreadable manifest is verify's finding; nothing to compare here
     asked = {"format": args.format, "scheme": args.scheme, "tp": args.tp, "engine": args.engine}
-    from quantize.plan.recipe import preset_names
-
     if args.recipe in preset_names():  # a recipe file is compared by its content at resume
         asked["recipe"] = args.recipe
     if args.scales != SCALES_AUTO:
         asked["scales"] = args.scales
-    differ = [f"--{k} {v} (the build has {recorded.get(k, 'rtn' if k == 'scales' else None)})"
-              for k, v in asked.items() if recorded.get(k, "rtn" if k == "scales" else None) != v]
+    has = {k: recorded.get(k, "rtn" if k == "scales" else None) for k in asked}  # older: no scales = rtn
+    differ = [f"--{k} {v} (the build has {has[k]})" for k, v in asked.items() if has[k] != v]
     if differ:
         raise OutputError(f"{out} is a finished build made with other options: {'; '.join(differ)}. "
                           "--resume continues an unfinished build with the same options; a new build "
@@ -270,8 +269,6 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
                                   or args.samples is not None or args.seq_len is not None):
         raise SparkQuantError("--dataset, --samples, --seq-len, --damp and --act-order are options "
                               "of --method gptq")
-    args.samples = 128 if args.samples is None else args.samples
-    args.seq_len = 512 if args.seq_len is None else args.seq_len
     options = {"scheme": args.scheme, "fmt": args.format, "recipe": _recipe_name(args.recipe, src),
                "device": args.device, "resume": args.resume, "progress": not args.quiet,
                "source_info": info, "tp": args.tp, "engine": args.engine,
@@ -283,8 +280,9 @@ def _cmd_nvfp4(args: argparse.Namespace) -> int:
             from calibrate.gptq import DEFAULT_DAMP, convert_gptq
 
             _need("--method gptq", "transformers")
-            summary = convert_gptq(src, out, dataset=args.dataset, samples=args.samples,
-                                   seq_len=args.seq_len, damp=DEFAULT_DAMP if args.damp is None else args.damp,
+            given = {k: v for k, v in (("samples", args.samples), ("seq_len", args.seq_len)) if v is not None}
+            summary = convert_gptq(src, out, dataset=args.dataset, **given,
+                                   damp=DEFAULT_DAMP if args.damp is None else args.damp,
                                    act_order=args.act_order, **options)
         else:
             summary = convert(src, out, **options)
